@@ -1,0 +1,57 @@
+# Two commands on a fresh machine: `make run` and `make test`. Everything else is set up here.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-10)
+
+# llama-cpp-python ships as an sdist only: build it once per CPU and Python, keep the wheel
+# outside git. On x86_64, CPUs here advertise AMX the sandbox cannot run (SIGSEGV in
+# ggml_backend_amx_mul_mat); gcc rejects those flags on ARM, where the plain native build is right.
+LLAMA_VERSION := 0.3.36
+ARCH := $(shell uname -m)
+CPU_ID := $(shell (grep -m1 -E '^(flags|Features)' /proc/cpuinfo; $(PYTHON) -V) | sha1sum | cut -c1-10)
+WHEEL_DIR ?= $(HOME)/.cache/granary/wheels/$(ARCH)-$(CPU_ID)
+ifeq ($(ARCH),x86_64)
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
+else
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON
+endif
+
+.PHONY: run test bench lint install wheel clean
+
+run: $(STAMP)
+	$(BIN)/granary prepare >/dev/null
+	$(BIN)/granary up
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy api worker warmer shared
+
+install: $(STAMP)
+
+wheel:
+	@ls $(WHEEL_DIR)/llama_cpp_python-$(LLAMA_VERSION)-*.whl >/dev/null 2>&1 || { \
+	  mkdir -p $(WHEEL_DIR) && \
+	  echo "building llama-cpp-python $(LLAMA_VERSION) (4-5 minutes on 2 cores)..." && \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip wheel --no-deps -w $(WHEEL_DIR) \
+	    llama-cpp-python==$(LLAMA_VERSION); }
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip wheel
+	$(MAKE) wheel
+	$(BIN)/pip install -q --find-links $(WHEEL_DIR) --only-binary llama-cpp-python -e '.[dev,qwen,gemma]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+clean:
+	rm -rf $(VENV) .data .pytest_cache .mypy_cache .ruff_cache

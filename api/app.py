@@ -1,0 +1,61 @@
+"""The HTTP API: a FastAPI app built from settings, serving jobs and streaming their tokens."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI
+from redis.asyncio import Redis as AsyncRedis
+
+from api import errors, health, jobs
+from api.event_hub import EventHub
+from api.state import AppState
+from shared.job_store import JobStore
+from shared.llm import load_llama
+from shared.redis_server import connect
+from shared.settings import Settings
+from shared.submission import Submitter
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        redis = connect(settings.redis_url)
+        aredis = AsyncRedis.from_url(settings.redis_url)
+        tokenizer = load_llama(settings, vocab_only=True)
+        store = JobStore(redis, settings.jobs.result_ttl_s)
+        hub = EventHub(aredis)
+        await hub.start()
+        app.state.granary = AppState(
+            settings=settings,
+            redis=redis,
+            aredis=aredis,
+            tokenizer=tokenizer,
+            store=store,
+            submitter=Submitter(redis, store, tokenizer, settings),
+            hub=hub,
+        )
+        try:
+            yield
+        finally:
+            await hub.stop()
+            await aredis.aclose()
+            redis.close()
+            tokenizer.close()
+
+    app = FastAPI(title="granary", version="0.1.0", lifespan=lifespan)
+    errors.install(app)
+    app.include_router(health.router)
+    app.include_router(jobs.router)
+    return app
+
+
+def serve(settings: Settings) -> None:
+    uvicorn.run(
+        create_app(settings),
+        host=settings.api.host,
+        port=settings.api.port,
+        log_level=settings.log_level.lower(),
+    )

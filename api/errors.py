@@ -1,0 +1,65 @@
+"""Every error the API can answer, mapped to an HTTP status in one place.
+
+Shape: `{"error": {"type", "message", "field"}}`. Validation problems are 400s that name the
+field; nothing a client sends can produce a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import ORJSONResponse
+from starlette.exceptions import HTTPException
+
+from shared.errors import GranaryError
+
+log = logging.getLogger(__name__)
+
+
+def error_body(error_type: str, message: str, field: str | None = None) -> dict[str, Any]:
+    return {"error": {"type": error_type, "message": message, "field": field}}
+
+
+def _field(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or None
+
+
+async def _granary_error(_: Request, exc: Exception) -> ORJSONResponse:
+    assert isinstance(exc, GranaryError)
+    return ORJSONResponse(error_body(exc.error_type, exc.message, exc.field), exc.status_code)
+
+
+async def _validation_error(_: Request, exc: Exception) -> ORJSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return ORJSONResponse(error_body("invalid_request", "request body is not valid JSON"), 400)
+    field = _field(tuple(first.get("loc", ())))
+    message = str(first.get("msg", "invalid value"))
+    if field:
+        message = f"{field}: {message}"
+    return ORJSONResponse(error_body("invalid_request", message, field), 400)
+
+
+async def _http_error(_: Request, exc: Exception) -> ORJSONResponse:
+    assert isinstance(exc, HTTPException)
+    error_type = "not_found" if exc.status_code == 404 else "http_error"
+    return ORJSONResponse(error_body(error_type, str(exc.detail)), exc.status_code)
+
+
+async def _redis_down(_: Request, exc: Exception) -> ORJSONResponse:
+    log.error("Redis unavailable: %s", exc)
+    return ORJSONResponse(error_body("unavailable", "the queue (Redis) is unavailable"), 503)
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(GranaryError, _granary_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(redis.ConnectionError, _redis_down)
+    app.add_exception_handler(redis.TimeoutError, _redis_down)

@@ -1,0 +1,99 @@
+"""`/v1/jobs`: submit, read, cancel, and stream a generation job.
+
+Handlers that only talk to Redis synchronously are plain `def`s: FastAPI runs them in its
+thread pool, so the event loop never blocks on the sync client rq needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Request
+from fastapi.concurrency import run_in_threadpool
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from api.state import AppState, state_of
+from shared import keys
+from shared.errors import InvalidRequest
+from shared.job_store import JobEvent
+from shared.schemas import JobRequest, JobView
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+MAX_IDEMPOTENCY_KEY_CHARS = 255
+
+
+@router.post("", status_code=202, response_model=JobView)
+def create_job(
+    body: JobRequest,
+    request: Request,
+    idempotency_key: Annotated[str | None, Header()] = None,
+) -> JobView:
+    if idempotency_key is not None and not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
+        raise InvalidRequest("Idempotency-Key must be 1-255 characters", field="Idempotency-Key")
+    return state_of(request).submitter.submit(
+        body, queue_name="interactive", idempotency_key=idempotency_key
+    )
+
+
+@router.get("/{job_id}", response_model=JobView)
+def get_job(job_id: str, request: Request) -> JobView:
+    return state_of(request).store.get(job_id)
+
+
+@router.delete("/{job_id}", response_model=JobView)
+def cancel_job(job_id: str, request: Request) -> JobView:
+    return state_of(request).store.cancel(job_id)
+
+
+@router.get("/{job_id}/events")
+async def job_events(
+    job_id: str,
+    request: Request,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> EventSourceResponse:
+    state = state_of(request)
+    await run_in_threadpool(state.store.get, job_id)  # 404 before the stream starts
+    after = _parse_last_event_id(last_event_id)
+    return EventSourceResponse(_events(state, job_id, after), ping=15)
+
+
+def _parse_last_event_id(value: str | None) -> int:
+    if value is None or value == "":
+        return -1
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidRequest("Last-Event-ID must be an integer", field="Last-Event-ID") from None
+
+
+async def _events(state: AppState, job_id: str, after: int) -> AsyncIterator[ServerSentEvent]:
+    """The stored backlog past `after`, then live events, each once, up to the final one.
+
+    Subscribing before reading the backlog means no event can fall between the two.
+    """
+    async with state.hub.listen(keys.job_channel(job_id)) as live:
+        backlog = await state.aredis.xrange(keys.job_events(job_id))
+        for _, fields in backlog:
+            event = JobEvent.from_fields(fields)
+            if event.seq > after or event.final:
+                yield await _to_sse(state, job_id, event)
+                after = event.seq
+                if event.final:
+                    return
+        while True:
+            event = await live.get()
+            if event.seq <= after and not event.final:
+                continue
+            yield await _to_sse(state, job_id, event)
+            after = event.seq
+            if event.final:
+                return
+
+
+async def _to_sse(state: AppState, job_id: str, event: JobEvent) -> ServerSentEvent:
+    if event.final:
+        view = await run_in_threadpool(state.store.get, job_id)
+        return ServerSentEvent(view.model_dump_json(), event=event.event, id=str(event.seq))
+    return ServerSentEvent(event.data, event="token", id=str(event.seq))

@@ -1,0 +1,31 @@
+"""What the API process holds for its life, built once in the app's lifespan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+from llama_cpp import Llama
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+
+from api.event_hub import EventHub
+from shared.job_store import JobStore
+from shared.settings import Settings
+from shared.submission import Submitter
+
+
+@dataclass(frozen=True, slots=True)
+class AppState:
+    settings: Settings
+    redis: Redis
+    aredis: AsyncRedis
+    tokenizer: Llama
+    store: JobStore
+    submitter: Submitter
+    hub: EventHub
+
+
+def state_of(request: Request) -> AppState:
+    state: AppState = request.app.state.granary
+    return state

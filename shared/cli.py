@@ -1,0 +1,93 @@
+"""The `granary` command: one entry point for every process and the client commands."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import httpx
+from pydantic import ValidationError
+
+from shared.errors import GranaryError
+from shared.settings import Settings, load_settings
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="granary", description=__doc__)
+    parser.add_argument("--config", type=Path, help="TOML settings file (default: granary.toml)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run Redis (if needed), the API, workers and the warmer")
+    up.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    sub.add_parser("api", help="run the HTTP API")
+    sub.add_parser("worker", help="run one worker with the model resident")
+    sub.add_parser("warmer", help="run the warm-up scheduler")
+    sub.add_parser("prepare", help="provision the configured model and print its path")
+
+    submit = sub.add_parser("submit", help="submit a prompt and stream the answer")
+    submit.add_argument("prompt", help="the prompt, or @FILE to read it from a file")
+    submit.add_argument("--wait", action="store_true", help="print the final job JSON instead")
+    submit.add_argument("--max-tokens", type=int, default=None)
+    submit.add_argument("--temperature", type=float, default=None)
+    submit.add_argument("--seed", type=int, default=None)
+    submit.add_argument("--url", default=None, help="API base URL (default: from settings)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = load_settings(args.config)
+    except (ValidationError, FileNotFoundError) as exc:
+        print(f"granary: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        return _run(args, settings)
+    except GranaryError as exc:
+        print(f"granary: {exc.message}", file=sys.stderr)
+        return 1
+    except httpx.HTTPError as exc:
+        print(f"granary: cannot reach the API: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(args: argparse.Namespace, settings: Settings) -> int:
+    # Imports are per command: the API never loads worker code, the client never loads llama.
+    if args.command == "up":
+        from shared.stack import run_stack
+
+        return run_stack(settings, args.config, args.workers)
+    if args.command == "api":
+        from api.app import serve
+
+        serve(settings)
+    elif args.command == "worker":
+        from worker.main import run_worker
+
+        run_worker(settings)
+    elif args.command == "warmer":
+        from warmer.main import run_warmer
+
+        run_warmer(settings)
+    elif args.command == "prepare":
+        from shared.models import resolve_model
+
+        print(resolve_model(settings.model, settings.data_dir))
+    elif args.command == "submit":
+        from shared.client import submit_from_cli
+
+        return submit_from_cli(args, settings)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""The one exception tree. Each error knows its HTTP status; the API maps them in one place."""
+
+from __future__ import annotations
+
+
+class GranaryError(Exception):
+    status_code = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class InvalidRequest(GranaryError):
+    status_code = 400
+    error_type = "invalid_request"
+
+
+class ContextOverflow(InvalidRequest):
+    error_type = "context_length_exceeded"
+
+
+class JobNotFound(GranaryError):
+    status_code = 404
+    error_type = "not_found"
+
+
+class Conflict(GranaryError):
+    status_code = 409
+    error_type = "conflict"
+
+
+class ServiceUnavailable(GranaryError):
+    status_code = 503
+    error_type = "unavailable"
+
+
+class ModelUnavailable(GranaryError):
+    """The model file is missing or unreadable; the message says how to fix it."""
+
+    status_code = 503
+    error_type = "model_unavailable"

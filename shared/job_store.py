@@ -1,0 +1,138 @@
+"""Job records and their event streams in Redis: the rules of a job's life in one class.
+
+rq moves job ids between queues and registries; this record is what clients see and is the
+source of truth for status. Transitions are Lua scripts (`shared.scripts`), so they are atomic.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis
+
+from shared import codec, keys
+from shared.errors import JobNotFound
+from shared.schemas import (
+    JobResult,
+    JobStatus,
+    JobView,
+    Timings,
+    TokenEvent,
+    Usage,
+    WorkOrder,
+)
+from shared.scripts import Scripts
+
+_JSON_FIELDS = ("result", "usage", "timings")
+
+
+@dataclass(frozen=True, slots=True)
+class JobEvent:
+    """One entry of a job's event stream: a token, or the final `done` / `error`."""
+
+    seq: int
+    event: str
+    data: str
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes, bytes]) -> JobEvent:
+        return cls(int(fields[b"seq"]), fields[b"event"].decode(), fields[b"data"].decode())
+
+    @classmethod
+    def from_message(cls, payload: bytes) -> JobEvent:
+        seq, event, data = payload.decode().split("|", 2)
+        return cls(int(seq), event, data)
+
+    @property
+    def final(self) -> bool:
+        return self.event != "token"
+
+
+def _event_keys(job_id: str) -> tuple[str, str, str, str]:
+    return (keys.job(job_id), keys.job_events(job_id), keys.job_channel(job_id), keys.job_cancel(job_id))
+
+
+class JobStore:
+    def __init__(self, redis: Redis, result_ttl_s: int) -> None:
+        self._redis = redis
+        self._ttl_s = result_ttl_s
+        self._scripts = Scripts(redis)
+
+    def create(self, job_id: str, queue: str, order: WorkOrder) -> JobView:
+        record = {
+            "id": job_id,
+            "status": JobStatus.QUEUED.value,
+            "queue": queue,
+            "created_at": time.time(),
+            "attempts": 0,
+            "emitted": 0,
+            "order": order.model_dump_json(),
+        }
+        self._redis.hset(keys.job(job_id), mapping=record)
+        return self._view(job_id, record)
+
+    def get(self, job_id: str) -> JobView:
+        raw = self._redis.hgetall(keys.job(job_id))
+        if not raw:
+            raise JobNotFound(f"no job with id {job_id!r}")
+        record = {k.decode(): v.decode() for k, v in raw.items()}
+        return self._view(job_id, record)
+
+    def delete(self, job_id: str) -> None:
+        self._redis.delete(keys.job(job_id), keys.job_events(job_id))
+
+    def order(self, job_id: str) -> WorkOrder:
+        raw = self._redis.hget(keys.job(job_id), "order")
+        if raw is None:
+            raise JobNotFound(f"no job with id {job_id!r}")
+        return WorkOrder.model_validate_json(raw)
+
+    def start(self, job_id: str) -> int:
+        """Mark started; returns the attempt number, or 0 if the job must not run."""
+        return self._scripts.start((keys.job(job_id), keys.job_cancel(job_id)), time.time())
+
+    def emit_token(self, job_id: str, event: TokenEvent) -> bool:
+        """Publish a token; returns True when the job has been cancelled meanwhile."""
+        data = event.model_dump_json().encode()
+        return self._scripts.emit_token(_event_keys(job_id), event.index, data)
+
+    def finish(
+        self,
+        job_id: str,
+        status: JobStatus,
+        *,
+        result: JobResult | None = None,
+        usage: Usage | None = None,
+        timings: Timings | None = None,
+        error: str | None = None,
+    ) -> bool:
+        fields: dict[str, Any] = {}
+        for name, value in (("result", result), ("usage", usage), ("timings", timings)):
+            if value is not None:
+                fields[name] = value.model_dump_json()
+        if error is not None:
+            fields["error"] = error
+        return self._scripts.finish(_event_keys(job_id), status.value, time.time(), self._ttl_s, fields)
+
+    def cancel(self, job_id: str) -> JobView:
+        if self._scripts.cancel(_event_keys(job_id), time.time(), self._ttl_s) is None:
+            raise JobNotFound(f"no job with id {job_id!r}")
+        return self.get(job_id)
+
+    def cancel_requested(self, job_id: str) -> bool:
+        return bool(self._redis.exists(keys.job_cancel(job_id)))
+
+    def events(self, job_id: str, after_seq: int = -1) -> list[JobEvent]:
+        entries = self._redis.xrange(keys.job_events(job_id))
+        events = [JobEvent.from_fields(fields) for _, fields in entries]
+        return [e for e in events if e.seq > after_seq]
+
+    @staticmethod
+    def _view(job_id: str, record: dict[str, Any]) -> JobView:
+        data: dict[str, Any] = {k: record[k] for k in JobView.model_fields if k in record}
+        for name in _JSON_FIELDS:
+            if name in data:
+                data[name] = codec.loads(data[name])
+        return JobView.model_validate(data)

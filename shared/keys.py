@@ -1,0 +1,35 @@
+"""Every Redis key and channel name granary uses, in one place.
+
+rq keeps its own keys under `rq:`; granary's live under `granary:`.
+"""
+
+from __future__ import annotations
+
+PREFIX = "granary"
+
+# Queues in priority order: a worker always drains the earlier ones first.
+QUEUES: tuple[str, ...] = ("interactive", "batch", "warm")
+
+
+def job(job_id: str) -> str:
+    """Hash holding the job record (status, request, result, usage, timings)."""
+    return f"{PREFIX}:job:{job_id}"
+
+
+def job_events(job_id: str) -> str:
+    """Stream of every event of a job, so late and reconnecting listeners miss nothing."""
+    return f"{PREFIX}:job:{job_id}:events"
+
+
+def job_channel(job_id: str) -> str:
+    """Pub/sub channel carrying the same events live."""
+    return f"{PREFIX}:job:{job_id}:live"
+
+
+def job_cancel(job_id: str) -> str:
+    """Flag a running job's worker polls between tokens."""
+    return f"{PREFIX}:job:{job_id}:cancel"
+
+
+def idempotency(key: str) -> str:
+    return f"{PREFIX}:idempotency:{key}"

