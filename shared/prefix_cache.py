@@ -1,11 +1,11 @@
 """Shared cache of KV-cache states keyed by token prefix.
 
 Layout inside a :class:`~shared.blob_store.BlobStore` (``sh`` = first two hex
-chars of the id, to keep directories small)::
+chars of ``bkey``, to keep the index fan-out small)::
 
-    {fp}/blobs/{sh}/{n}-{id}          one blob per saved prefix (header+tokens+state)
+    {fp}/blobs/{n}-{id}               one blob per saved prefix (header+tokens+state)
+    {fp}/hits/{n}-{id}                its size in bytes is the hit count (capped at 16)
     {fp}/index/{sh}/{bkey}/{n}-{id}   empty marker: blob shares boundary bkey
-    {fp}/hits/{sh}/{n}-{id}/{i}       empty markers 1..16: cross-process hit count
 
 ``fp`` is the model fingerprint, ``n`` the blob's token count, ``id`` its
 prefix key and ``bkey`` a boundary key (see shared.prefix_keys). A blob has a
@@ -13,6 +13,8 @@ marker at every boundary <= n: each full block plus power-of-two lengths below
 one block, i.e. O(n / block + log block) tiny files. Lookup lists the prompt's
 boundary directories from longest to shortest and stops at the first usable
 blob, so its cost depends on the prompt length, not on the number of entries.
+``blobs/`` and ``hits/`` are flat so one directory scan yields every size,
+last-use time (mtime) and hit count for the budget.
 
 Correctness never depends on process memory or locks: blobs are written by
 atomic rename under a content-derived name, every read is verified, and any
@@ -184,6 +186,12 @@ def decode_blob(data: bytes, expected_fp: str) -> tuple[_Header, list[int], byte
     return header, tokens, bytes(payload)
 
 
+def _name_tokens(name: str) -> int:
+    """Token count from a blob name without full validation (-1 if none): cheap filter."""
+    n_text = name.partition("-")[0]
+    return int(n_text) if n_text.isdigit() else -1
+
+
 def _parse_name(name: str) -> tuple[int, str] | None:
     m = _NAME.fullmatch(name)
     return None if m is None else (int(m.group(1)), m.group(2))
@@ -239,15 +247,15 @@ class PrefixCache:
 
     @staticmethod
     def _blob_key(fp: str, name: str) -> str:
-        return f"{fp}/blobs/{name.rsplit('-', 1)[1][:2]}/{name}"
+        return f"{fp}/blobs/{name}"
 
     @staticmethod
     def _index_dir(fp: str, boundary_key: str) -> str:
         return f"{fp}/index/{boundary_key[:2]}/{boundary_key}/"
 
     @staticmethod
-    def _hits_dir(fp: str, name: str) -> str:
-        return f"{fp}/hits/{name.rsplit('-', 1)[1][:2]}/{name}/"
+    def _hits_key(fp: str, name: str) -> str:
+        return f"{fp}/hits/{name}"
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -377,11 +385,14 @@ class PrefixCache:
 
     def _record_use(self, key: str, name: str) -> None:
         self._store.touch(key, self._clock())
-        hits_dir = self._hits_dir(self._fp, name)
-        count = len(self._store.list(hits_dir))
+        count = self._hit_count(self._fp, name)
         if count < HIT_COUNT_CAP:
-            # Concurrent hits may write the same name and count once: harmless.
-            self._store.put(f"{hits_dir}{count + 1}", b"", durable=False)
+            # Concurrent hits may both write count+1 and count once: harmless.
+            self._store.put(self._hits_key(self._fp, name), bytes(count + 1), durable=False)
+
+    def _hit_count(self, fp: str, name: str) -> int:
+        stat = self._store.stat(self._hits_key(fp, name))
+        return 0 if stat is None else stat.size_bytes
 
     # ---- save -------------------------------------------------------------
 
@@ -434,13 +445,15 @@ class PrefixCache:
         for i, boundary in enumerate(bounds):
             next_len = bounds[i + 1].n_tokens if i + 1 < len(bounds) else len(tokens)
             for marker in self._store.list(self._index_dir(self._fp, boundary.key)):
+                if not boundary.n_tokens <= _name_tokens(marker) < next_len:
+                    continue  # shallow boundaries list every entry: filter cheaply first
                 parsed = _parse_name(marker)
-                if parsed is None or not boundary.n_tokens <= parsed[0] < next_len:
+                if parsed is None:
                     continue
                 n, blob_id = parsed
                 if blob_id != prefix_key(tokens, self._block_tokens, self._fp, n_tokens=n, chain=chain):
                     continue
-                if len(self._store.list(self._hits_dir(self._fp, marker))) < self._hot_hits:
+                if self._hit_count(self._fp, marker) < self._hot_hits:
                     self._forget(self._fp, marker, tokens[:n], self._block_tokens, None)
 
     # ---- removal and budget ----------------------------------------------
@@ -464,8 +477,7 @@ class PrefixCache:
                 self._store.delete(self._index_dir(fp, boundary.key) + name)
         if via_marker is not None:
             self._store.delete(via_marker)
-        for hit_name in self._store.list(self._hits_dir(fp, name)):
-            self._store.delete(self._hits_dir(fp, name) + hit_name)
+        self._store.delete(self._hits_key(fp, name))
         return existed
 
     def _evict(self, entry: _Stored) -> None:
@@ -476,13 +488,11 @@ class PrefixCache:
         if self._forget(entry.fp, entry.name, blob_tokens, max(block_tokens, 1), None):
             self._count(evictions=1)
 
-    def _scan(self, fps: Iterable[str]) -> list[_Stored]:
+    def _scan(self, fps: Iterable[str], *, with_hits: bool = True) -> list[_Stored]:
         out: list[_Stored] = []
         for fp in fps:
-            hit_counts: dict[str, int] = {}
-            for hit in self._store.scan(f"{fp}/hits/"):
-                parts = hit.key.split("/")
-                hit_counts[parts[-2]] = hit_counts.get(parts[-2], 0) + 1
+            hits = self._store.scan(f"{fp}/hits/") if with_hits else []
+            hit_counts = {h.key.rsplit("/", 1)[-1]: h.size_bytes for h in hits}
             for blob in self._store.scan(f"{fp}/blobs/"):
                 out.append(self._stored(fp, blob, hit_counts))
         return [s for s in out if s.n_tokens >= 0]
@@ -514,7 +524,11 @@ class PrefixCache:
         Usage is recomputed from the store each time (files are the source of
         truth); concurrent savers may overshoot by one blob each, briefly.
         """
-        entries = self._scan(self._store.list(""))
+        fps = self._store.list("")
+        usage = sum(b.size_bytes for fp in fps for b in self._store.scan(f"{fp}/blobs/"))
+        if usage + incoming_bytes <= self._max_bytes:
+            return 0
+        entries = self._scan(fps)  # hit counts are only needed when evicting
         usage = sum(e.size_bytes for e in entries)
         freed = 0
         for entry in self._eviction_order(entries):
@@ -529,7 +543,8 @@ class PrefixCache:
 
     def stats(self) -> CacheStats:
         mine = self._scan([self._fp])
-        store_bytes = sum(e.size_bytes for e in self._scan(self._store.list("")))
+        everything = self._scan(self._store.list(""), with_hits=False)
+        store_bytes = sum(e.size_bytes for e in everything)
         with self._lock:
             c = dict(self._counters)
         return CacheStats(
@@ -588,8 +603,7 @@ class PrefixCache:
         removed = 0
         for area in ("index", "hits"):
             for marker in self._store.scan(f"{self._fp}/{area}/"):
-                parts = marker.key.split("/")
-                name = parts[-1] if area == "index" else parts[-2]
+                name = marker.key.rsplit("/", 1)[-1]
                 if _parse_name(name) is not None and (
                     self._store.stat(self._blob_key(self._fp, name)) is not None
                 ):

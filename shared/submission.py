@@ -29,6 +29,31 @@ def queue(redis: Redis, name: str) -> Queue:
     return Queue(name, connection=redis, serializer=JsonSerializer)
 
 
+def work_order_for(
+    tokenizer: Llama, request: JobRequest, *, n_ctx: int, default_max_tokens: int
+) -> WorkOrder:
+    """Render and count the prompt; refuse one that leaves no room in the context window."""
+    prompt = render_prompt(tokenizer, request)
+    n_prompt = len(tokenize(tokenizer, prompt))
+    field = "prompt" if request.prompt is not None else "messages"
+    if n_prompt >= n_ctx:
+        raise ContextOverflow(
+            f"{field} is {n_prompt} tokens; the context window is {n_ctx} tokens "
+            f"(at most {n_ctx - 1} prompt tokens)",
+            field=field,
+        )
+    return WorkOrder(
+        prompt=prompt,
+        prompt_tokens=n_prompt,
+        max_tokens=request.max_tokens or default_max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        # A fixed seed makes a re-run after a worker crash repeat the tokens already sent.
+        seed=request.seed if request.seed is not None else secrets.randbelow(2**32),
+        stop=request.stop,
+    )
+
+
 class Submitter:
     def __init__(self, redis: Redis, store: JobStore, tokenizer: Llama, settings: Settings) -> None:
         self._redis = redis
@@ -36,32 +61,15 @@ class Submitter:
         self._tokenizer = tokenizer
         self._settings = settings
 
-    def work_order(self, request: JobRequest) -> WorkOrder:
-        prompt = render_prompt(self._tokenizer, request)
-        n_prompt = len(tokenize(self._tokenizer, prompt))
-        n_ctx = self._settings.n_ctx
-        field = "prompt" if request.prompt is not None else "messages"
-        if n_prompt >= n_ctx:
-            raise ContextOverflow(
-                f"{field} is {n_prompt} tokens; the context window is {n_ctx} tokens "
-                f"(at most {n_ctx - 1} prompt tokens)",
-                field=field,
-            )
-        return WorkOrder(
-            prompt=prompt,
-            prompt_tokens=n_prompt,
-            max_tokens=request.max_tokens or self._settings.jobs.default_max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            # A fixed seed makes a re-run after a worker crash repeat the tokens already sent.
-            seed=request.seed if request.seed is not None else secrets.randbelow(2**32),
-            stop=request.stop,
-        )
-
     def submit(
         self, request: JobRequest, *, queue_name: str, idempotency_key: str | None = None
     ) -> JobView:
-        order = self.work_order(request)
+        order = work_order_for(
+            self._tokenizer,
+            request,
+            n_ctx=self._settings.n_ctx,
+            default_max_tokens=self._settings.jobs.default_max_tokens,
+        )
         job_id = uuid.uuid4().hex
         view = self._store.create(job_id, queue_name, order)
         if idempotency_key is not None:

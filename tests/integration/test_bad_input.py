@@ -1,0 +1,114 @@
+"""Every invalid request gets a 4xx JSON error naming the problem; none reaches a worker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from tests.conftest import Stack
+
+
+@pytest.fixture
+def api(stack_factory: Callable[..., Stack]) -> Stack:
+    # No worker: a bad request must be refused by the API itself.
+    return stack_factory(workers=0, n_ctx=256)
+
+
+def post(api: Stack, body: Any = None, content: bytes | None = None) -> httpx.Response:
+    if content is not None:
+        headers = {"Content-Type": "application/json"}
+        return httpx.post(f"{api.url}/v1/jobs", content=content, headers=headers)
+    return httpx.post(f"{api.url}/v1/jobs", json=body)
+
+
+def assert_error(response: httpx.Response, status: int, field: str | None) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["field"] == field
+    assert error["message"]
+    message: str = error["message"]
+    return message
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+        ({"prompt": 42}, "prompt"),
+        ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+        ({"prompt": "hi", "temperature": 5}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "seed": -1}, "seed"),
+        ({"prompt": "hi", "stop": [""]}, "stop"),
+        ({"prompt": "hi", "stop": 7}, "stop"),
+        ({"prompt": "hi", "colour": "blue"}, "colour"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+    ],
+)
+def test_wrong_fields_are_named(api: Stack, body: dict[str, Any], field: str) -> None:
+    assert_error(post(api, body), 400, field)
+
+
+@pytest.mark.parametrize("body", [{}, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}])
+def test_exactly_one_of_prompt_or_messages(api: Stack, body: dict[str, Any]) -> None:
+    message = assert_error(post(api, body), 400, None)
+    assert "prompt" in message and "messages" in message
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"", b"[1, 2]", b'"prompt"'])
+def test_malformed_json(api: Stack, content: bytes) -> None:
+    response = post(api, content=content)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request"
+
+
+def test_prompt_longer_than_the_context_window(api: Stack) -> None:
+    message = assert_error(post(api, {"prompt": "word " * 400}), 400, "prompt")
+    assert "256" in message
+    response = post(api, {"messages": [{"role": "user", "content": "word " * 400}]})
+    assert_error(response, 400, "messages")
+    assert response.json()["error"]["type"] == "context_length_exceeded"
+
+
+def test_unknown_job_is_404(api: Stack) -> None:
+    for method, path in [
+        ("GET", "/v1/jobs/nope"),
+        ("DELETE", "/v1/jobs/nope"),
+        ("GET", "/v1/jobs/nope/events"),
+        ("GET", "/v1/nothing-here"),
+    ]:
+        response = httpx.request(method, f"{api.url}{path}")
+        assert response.status_code == 404, (method, path)
+        assert response.json()["error"]["type"] == "not_found"
+
+
+def test_bad_headers(api: Stack) -> None:
+    response = httpx.post(
+        f"{api.url}/v1/jobs", json={"prompt": "hi"}, headers={"Idempotency-Key": "k" * 300}
+    )
+    assert_error(response, 400, "Idempotency-Key")
+    job = post(api, {"prompt": "hi"}).json()
+    response = httpx.get(f"{api.url}/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": "x"})
+    assert_error(response, 400, "Last-Event-ID")
+
+
+def test_refused_requests_never_reach_the_queue(api: Stack) -> None:
+    post(api, {"prompt": "word " * 400})
+    post(api, {"prompt": "hi", "max_tokens": 0})
+    client = redis.Redis.from_url(api.settings.redis_url)
+    assert client.llen("rq:queue:interactive") == 0
+    assert client.keys("granary:job:*") == []
+
+
+def test_readyz_without_workers_is_503(api: Stack) -> None:
+    response = httpx.get(f"{api.url}/readyz")
+    assert response.status_code == 503
+    assert "worker" in response.json()["error"]["message"]

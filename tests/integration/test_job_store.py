@@ -1,0 +1,70 @@
+"""Job-state transitions against a real Redis (they are Lua scripts)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from shared.job_store import JobStore
+from shared.schemas import JobResult, JobStatus, RenderedPrompt, TokenEvent, WorkOrder
+
+ORDER = WorkOrder(
+    prompt=RenderedPrompt(text="hi", add_bos=True),
+    prompt_tokens=1,
+    max_tokens=4,
+    temperature=0,
+    top_p=1,
+    seed=1,
+    stop=[],
+)
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[JobStore]:
+    client = redis.Redis.from_url(redis_url)
+    yield JobStore(client, result_ttl_s=60)
+    client.close()
+
+
+def test_retry_never_publishes_a_token_twice(store: JobStore) -> None:
+    store.create("j", "interactive", ORDER)
+    assert store.start("j") == 1
+    for i in range(3):
+        store.emit_token("j", TokenEvent(index=i, text=f"t{i}"))
+    assert store.start("j") == 2  # a second worker re-runs it
+    for i in range(5):
+        store.emit_token("j", TokenEvent(index=i, text=f"t{i}"))
+    store.finish("j", JobStatus.FINISHED, result=JobResult(text="x", finish_reason="length"))
+    events = store.events("j")
+    assert [e.seq for e in events] == [0, 1, 2, 3, 4, 5]
+    assert [e.event for e in events][-1] == "done"
+
+
+def test_cancel_beats_a_late_finish(store: JobStore) -> None:
+    store.create("j", "interactive", ORDER)
+    store.start("j")
+    assert store.cancel("j").status == JobStatus.CANCELLED
+    assert store.emit_token("j", TokenEvent(index=0, text="a")) is True  # the worker is told
+    store.finish("j", JobStatus.FINISHED, result=JobResult(text="a", finish_reason="length"))
+    view = store.get("j")
+    assert view.status == JobStatus.CANCELLED
+    assert view.result is not None  # the partial text is kept
+    assert [e.event for e in store.events("j")] == ["token", "done"]
+
+
+def test_cancelled_queued_job_does_not_start(store: JobStore) -> None:
+    store.create("j", "interactive", ORDER)
+    store.cancel("j")
+    assert store.start("j") == 0
+    assert [e.event for e in store.events("j")] == ["done"]
+
+
+def test_finished_job_cannot_be_cancelled_or_refinished(store: JobStore) -> None:
+    store.create("j", "interactive", ORDER)
+    store.start("j")
+    store.finish("j", JobStatus.FINISHED, result=JobResult(text="a", finish_reason="stop"))
+    assert store.cancel("j").status == JobStatus.FINISHED
+    assert store.finish("j", JobStatus.FAILED, error="late") is False
+    assert store.get("j").status == JobStatus.FINISHED

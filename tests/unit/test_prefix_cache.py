@@ -1,0 +1,548 @@
+from __future__ import annotations
+
+import builtins
+import errno
+import logging
+import multiprocessing
+import os
+import random
+from collections import Counter
+from multiprocessing.synchronize import Event
+from pathlib import Path
+
+import pytest
+
+from shared.blob_store import BlobEntry, BlobStat, BlobStore, DirectoryBlobStore, MemoryBlobStore
+from shared.prefix_cache import CacheHit, PrefixCache, encode_blob
+from shared.prefix_keys import prefix_key
+
+FP = "f00dfeed"
+B = 8  # block_tokens: head boundaries at 1, 2, 4; full blocks at 8, 16, ...
+
+
+class FakeClock:
+    def __init__(self, now_s: float = 1000.0) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+class CountingStore:
+    """Wraps a store and counts calls per method (the lookup cost unit)."""
+
+    def __init__(self, inner: BlobStore) -> None:
+        self.inner = inner
+        self.calls: Counter[str] = Counter()
+
+    def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        self.calls["put"] += 1
+        self.inner.put(key, data, durable=durable)
+
+    def get(self, key: str) -> bytes | None:
+        self.calls["get"] += 1
+        return self.inner.get(key)
+
+    def get_head(self, key: str, n_bytes: int) -> bytes | None:
+        self.calls["get_head"] += 1
+        return self.inner.get_head(key, n_bytes)
+
+    def stat(self, key: str) -> BlobStat | None:
+        self.calls["stat"] += 1
+        return self.inner.stat(key)
+
+    def touch(self, key: str, mtime_s: float) -> bool:
+        self.calls["touch"] += 1
+        return self.inner.touch(key, mtime_s)
+
+    def delete(self, key: str) -> bool:
+        self.calls["delete"] += 1
+        return self.inner.delete(key)
+
+    def list(self, prefix: str) -> builtins.list[str]:
+        self.calls["list"] += 1
+        return self.inner.list(prefix)
+
+    def scan(self, prefix: str) -> builtins.list[BlobEntry]:
+        self.calls["scan"] += 1
+        return self.inner.scan(prefix)
+
+
+class FailingStore(MemoryBlobStore):
+    """Every write fails like a read-only or full disk."""
+
+    def __init__(self, err: int) -> None:
+        super().__init__()
+        self.err = err
+
+    def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        raise OSError(self.err, os.strerror(self.err))
+
+    def touch(self, key: str, mtime_s: float) -> bool:
+        raise OSError(self.err, os.strerror(self.err))
+
+
+def make_cache(store: BlobStore | None = None, **kwargs: object) -> PrefixCache:
+    options: dict[str, object] = {"block_tokens": B, "max_bytes": 10**9, "truncatable": True}
+    options.update(kwargs)
+    return PrefixCache(store or MemoryBlobStore(), FP, **options)  # type: ignore[arg-type]
+
+
+def state_for(tokens: list[int]) -> bytes:
+    return repr(tokens).encode() * 3
+
+
+P = [11, 12, 13, 14, 15, 16, 17, 18, 21, 22, 23, 24, 25, 26, 27, 28, 31, 32, 33, 34]  # 20
+
+
+def saved(truncatable: bool, *prefixes: list[int], store: BlobStore | None = None) -> PrefixCache:
+    cache = make_cache(store, truncatable=truncatable)
+    for tokens in prefixes:
+        assert cache.save(tokens, state_for(tokens))
+    return cache
+
+
+def blob_files(root: Path) -> list[Path]:
+    return sorted((root / FP / "blobs").glob("*"))
+
+
+def markers(store: BlobStore) -> list[str]:
+    return [e.key for e in store.scan(f"{FP}/index/")]
+
+
+# ---- lookup semantics ----------------------------------------------------------------
+
+
+def test_exact_prompt_hits_all_but_last_token() -> None:
+    hit = saved(True, P).lookup(P)
+    assert hit == CacheHit(19, state_for(P), 20, prefix_key(P, B, FP))
+
+
+def test_exact_prompt_misses_when_not_truncatable() -> None:
+    assert saved(False, P).lookup(P) is None
+
+
+@pytest.mark.parametrize("truncatable", [True, False])
+def test_longer_prompt_uses_whole_blob(truncatable: bool) -> None:
+    hit = saved(truncatable, P).lookup([*P, 7, 7, 7])
+    assert hit is not None and hit.n_tokens == 20 and hit.blob_tokens == 20
+    assert hit.state == state_for(P)
+
+
+def test_prompt_diverging_mid_block_truncatable() -> None:
+    prompt = [*P[:18], 99, 99, 99, 99, 99]
+    hit = saved(True, P).lookup(prompt)
+    assert hit is not None and (hit.n_tokens, hit.blob_tokens) == (18, 20)
+
+
+def test_prompt_diverging_mid_block_not_truncatable() -> None:
+    assert saved(False, P).lookup([*P[:18], 99, 99, 99]) is None
+    shorter = P[:12]
+    hit = saved(False, P, shorter).lookup([*P[:18], 99, 99, 99])
+    assert hit is not None and hit.n_tokens == 12 and hit.state == state_for(shorter)
+
+
+def test_shorter_prompt_truncatable() -> None:
+    hit = saved(True, P).lookup(P[:13])
+    assert hit is not None and (hit.n_tokens, hit.blob_tokens) == (12, 20)
+
+
+def test_shorter_prompt_not_truncatable() -> None:
+    assert saved(False, P).lookup(P[:13]) is None
+
+
+def test_prompts_shorter_than_one_block() -> None:
+    short = [5, 6, 7]
+    cache = saved(True, short)
+    assert (hit := cache.lookup(short)) is not None and hit.n_tokens == 2
+    assert (hit := cache.lookup([5, 6, 7, 8])) is not None and hit.n_tokens == 3
+    assert (hit := cache.lookup([5, 6])) is not None and hit.n_tokens == 1
+    strict = saved(False, short)
+    assert strict.lookup(short) is None
+    assert (hit := strict.lookup([5, 6, 7, 8])) is not None and hit.n_tokens == 3
+
+
+def test_short_prompt_hits_long_blob_mid_head() -> None:
+    hit = saved(True, P).lookup([11, 12, 13, 14, 15, 16, 40])  # diverges at 6 < B
+    assert hit is not None and hit.n_tokens == 6
+
+
+def test_single_token_prompt_never_hits() -> None:
+    cache = saved(True, [5], [5, 6])
+    assert cache.lookup([5]) is None
+    assert cache.lookup([]) is None
+
+
+def test_foreign_fingerprint_never_reads_blobs() -> None:
+    store = MemoryBlobStore()
+    saved(True, P, store=store)
+    other = PrefixCache(store, "0ther", block_tokens=B)
+    assert other.lookup([*P, 1]) is None
+    assert other.entries() == []
+
+
+@pytest.mark.parametrize("truncatable", [True, False])
+def test_random_lookups_match_brute_force(truncatable: bool) -> None:
+    rng = random.Random(1234 + truncatable)
+    cache = make_cache(truncatable=truncatable, block_tokens=4, max_probes=10**6)
+    saved_seqs = [[rng.randint(1, 3) for _ in range(rng.randint(1, 14))] for _ in range(40)]
+    for seq in saved_seqs:
+        assert cache.save(seq, state_for(seq))
+    stored_ids = {e.key for e in cache.entries()}
+    stored = [s for s in saved_seqs if prefix_key(s, 4, FP) in stored_ids]
+    for _ in range(400):
+        prompt = [rng.randint(1, 3) for _ in range(rng.randint(1, 18))]
+        hit = cache.lookup(prompt)
+        best = _brute_force_best(stored, prompt, truncatable)
+        assert (0 if hit is None else hit.n_tokens) == best, prompt
+        if hit is not None:
+            blob = next(s for s in stored if prefix_key(s, 4, FP) == hit.key)
+            assert hit.state == state_for(blob) and hit.blob_tokens == len(blob)
+            assert blob[: hit.n_tokens] == prompt[: hit.n_tokens]
+            assert hit.n_tokens <= len(prompt) - 1
+
+
+def _brute_force_best(stored: list[list[int]], prompt: list[int], truncatable: bool) -> int:
+    best = 0
+    for s in stored:
+        common = next((i for i, (a, b) in enumerate(zip(s, prompt)) if a != b), None)
+        common = min(len(s), len(prompt)) if common is None else common
+        if truncatable:
+            best = max(best, min(common, len(prompt) - 1))
+        elif common == len(s) and len(s) <= len(prompt) - 1:
+            best = max(best, len(s))
+    return best
+
+
+# ---- save: dedupe, redundancy ---------------------------------------------------------
+
+
+def test_saving_same_prefix_twice_is_cheap_noop() -> None:
+    store = CountingStore(MemoryBlobStore())
+    cache = make_cache(store)
+    assert cache.save(P, state_for(P))
+    store.calls.clear()
+    assert cache.save(P, b"different state")
+    assert store.calls["put"] == 0 and store.calls["scan"] == 0
+    assert (hit := cache.lookup([*P, 1])) is not None and hit.state == state_for(P)
+
+
+def test_extension_replaces_shorter_blob_when_truncatable() -> None:
+    store = MemoryBlobStore()
+    cache = saved(True, P[:10], P, store=store)
+    assert [e.n_tokens for e in cache.entries()] == [20]
+    assert all(k.endswith(f"20-{prefix_key(P, B, FP)}") for k in markers(store))
+    assert (hit := cache.lookup([*P[:10], 1])) is not None and hit.n_tokens == 10
+
+
+def test_extension_keeps_shorter_blob_when_not_truncatable() -> None:
+    cache = saved(False, P[:10], P)
+    assert sorted(e.n_tokens for e in cache.entries()) == [10, 20]
+
+
+def test_extension_keeps_hot_shorter_blob() -> None:
+    cache = saved(True, P[:10])
+    for _ in range(2):
+        assert cache.lookup([*P[:10], 1]) is not None
+    assert cache.save(P, state_for(P))
+    assert sorted(e.n_tokens for e in cache.entries()) == [10, 20]
+
+
+def test_save_ignores_empty_input() -> None:
+    cache = make_cache()
+    assert cache.save([], b"x") is False
+    assert cache.save([1, 2], b"") is False
+
+
+# ---- corruption -------------------------------------------------------------------
+
+
+def _corrupt_then_lookup(tmp_path: Path, damage: str) -> tuple[CacheHit | None, PrefixCache]:
+    store = DirectoryBlobStore(tmp_path)
+    cache = saved(True, P, store=store)
+    (path,) = blob_files(tmp_path)
+    data = bytearray(path.read_bytes())
+    if damage == "payload":
+        data[-5] ^= 0x01
+    elif damage == "header":
+        data[10] ^= 0x40
+    elif damage == "tokens":
+        data[len(data) - len(state_for(P)) - 3] ^= 0x01
+    elif damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "foreign":
+        data = bytearray(encode_blob("0ther", B, P, state_for(P)))
+    elif damage == "wrong_tokens":
+        other = [*P[:-1], 77]
+        data = bytearray(encode_blob(FP, B, other, state_for(other)))
+    path.write_bytes(bytes(data))
+    return cache.lookup([*P, 1]), cache
+
+
+@pytest.mark.parametrize(
+    "damage", ["payload", "header", "tokens", "truncated", "foreign", "wrong_tokens"]
+)
+def test_damaged_blob_is_a_miss_and_removed(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        hit, cache = _corrupt_then_lookup(tmp_path, damage)
+    assert hit is None
+    assert blob_files(tmp_path) == []
+    assert "corrupt" in caplog.text
+    assert cache.lookup([*P, 1]) is None
+    assert cache.verify().orphans_removed >= 0
+    assert not list((tmp_path / FP).rglob("*-*"))  # no markers left behind
+
+
+def test_corrupt_long_blob_falls_back_to_shorter(tmp_path: Path) -> None:
+    store = DirectoryBlobStore(tmp_path)
+    cache = saved(False, P[:10], P, store=store)
+    long_path = next(p for p in blob_files(tmp_path) if p.name.startswith("20-"))
+    long_path.write_bytes(long_path.read_bytes()[:-1])
+    hit = cache.lookup([*P, 1])
+    assert hit is not None and hit.n_tokens == 10 and hit.state == state_for(P[:10])
+    assert not long_path.exists()
+
+
+def test_blob_deleted_behind_markers_is_lazily_unindexed() -> None:
+    store = MemoryBlobStore()
+    cache = saved(True, P, store=store)
+    store.delete(f"{FP}/blobs/20-{prefix_key(P, B, FP)}")
+    assert cache.lookup(P[:3]) is None  # walks boundaries 2 and 1 only
+    assert len(markers(store)) == 3
+    assert cache.lookup([*P, 1]) is None  # walks 16, 8, 4
+    assert markers(store) == []
+
+
+def test_verify_reports_and_removes_bad_blobs(tmp_path: Path) -> None:
+    store = DirectoryBlobStore(tmp_path)
+    cache = saved(False, P[:10], P, [1, 2, 3], store=store)
+    bad = next(p for p in blob_files(tmp_path) if p.name.startswith("10-"))
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    report = cache.verify()
+    assert (report.checked, report.ok, report.removed) == (3, 2, 1)
+    assert report.bytes_removed == len(data)
+    assert sorted(e.n_tokens for e in cache.entries()) == [3, 20]
+    assert cache.verify().removed == 0
+
+
+# ---- concurrency across processes ------------------------------------------------------
+
+
+RACE_PREFIXES = [[100 + i, *P] for i in range(30)]
+
+
+def _race_saver(root: str, fill: int, size: int, start: Event) -> None:
+    cache = PrefixCache(DirectoryBlobStore(root), FP, block_tokens=B)
+    store = DirectoryBlobStore(root)
+    start.wait()
+    for tokens in RACE_PREFIXES:
+        cache.save(tokens, bytes([fill]) * size)
+    # Then overwrite one blob repeatedly, as a dedupe-free worst case.
+    key = f"{FP}/blobs/{len(P) + 1}-{prefix_key(RACE_PREFIXES[0], B, FP)}"
+    for _ in range(40):
+        store.put(key, encode_blob(FP, B, RACE_PREFIXES[0], bytes([fill]) * size))
+
+
+def test_processes_racing_to_save_same_prefixes(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Event()
+    payloads = {b"A" * 3000, b"B" * 70000}
+    procs = [
+        ctx.Process(target=_race_saver, args=(str(tmp_path), fill, size, start))
+        for fill, size in ((ord("A"), 3000), (ord("B"), 70000))
+    ]
+    for p in procs:
+        p.start()
+    start.set()
+    reader = make_cache(DirectoryBlobStore(tmp_path))
+    while any(p.is_alive() for p in procs):  # concurrent readers never see torn blobs
+        hit = reader.lookup([*RACE_PREFIXES[0], 5])
+        assert hit is None or hit.state in payloads
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert len(blob_files(tmp_path)) == len(RACE_PREFIXES)
+    for tokens in RACE_PREFIXES:
+        hit = reader.lookup([*tokens, 5])
+        assert hit is not None and hit.state in payloads and hit.n_tokens == len(tokens)
+    assert reader.verify().removed == 0
+    assert not list(tmp_path.rglob(".*"))  # no temp files left
+
+
+# ---- budget and eviction --------------------------------------------------------------
+
+
+def _fill_cold(cache: PrefixCache, clock: FakeClock, count: int) -> list[list[int]]:
+    colds = [[500 + i, *range(30)] for i in range(count)]
+    for tokens in colds:
+        clock.now_s += 10
+        assert cache.save(tokens, bytes(1000))
+    return colds
+
+
+def _budget_cache(store: BlobStore, clock: FakeClock) -> PrefixCache:
+    blob_bytes = len(encode_blob(FP, B, [0] * 31, bytes(1000)))
+    return make_cache(store, max_bytes=5 * blob_bytes, clock=clock)
+
+
+def test_hot_short_prefix_survives_cold_flood() -> None:
+    clock = FakeClock()
+    store = MemoryBlobStore()
+    cache = _budget_cache(store, clock)
+    hot = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert cache.save(hot, bytes(800))
+    for _ in range(2):
+        clock.now_s += 1
+        assert cache.lookup([*hot, 42]) is not None
+    colds = _fill_cold(cache, clock, 20)
+    assert (hit := cache.lookup([*hot, 42])) is not None and hit.n_tokens == 10
+    stats = cache.stats()
+    assert stats.store_bytes <= stats.max_bytes and stats.evictions >= 15
+    assert cache.lookup([*colds[0], 1]) is None
+    assert cache.lookup([*colds[-1], 1]) is not None
+
+
+def test_unhit_prefix_is_evicted_lru() -> None:
+    clock = FakeClock()
+    cache = _budget_cache(MemoryBlobStore(), clock)
+    once = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert cache.save(once, bytes(800))
+    assert cache.lookup([*once, 42]) is not None  # a single hit does not protect
+    colds = _fill_cold(cache, clock, 20)
+    assert cache.lookup([*once, 42]) is None
+    kept = sorted(e.last_used_s for e in cache.entries())
+    assert kept == [clock.now_s - 10 * i for i in reversed(range(len(kept)))]
+    assert cache.lookup([*colds[-len(kept)], 1]) is not None
+
+
+def test_eviction_removes_markers_and_hits() -> None:
+    clock = FakeClock()
+    store = MemoryBlobStore()
+    cache = _budget_cache(store, clock)
+    _fill_cold(cache, clock, 12)
+    names = {e.key.rsplit("/", 1)[-1] for e in store.scan(f"{FP}/blobs/")}
+    assert len(names) == 5
+    assert {k.rsplit("/", 1)[-1] for k in markers(store)} == names
+    assert cache.verify().orphans_removed == 0
+
+
+def test_budget_is_shared_between_caches_and_fingerprints() -> None:
+    clock = FakeClock()
+    store = MemoryBlobStore()
+    first = _budget_cache(store, clock)
+    _fill_cold(first, clock, 5)
+    other = PrefixCache(store, "0ther", block_tokens=B, max_bytes=first.stats().max_bytes, clock=clock)
+    for i in range(3):
+        clock.now_s += 10
+        assert other.save([900 + i, *range(30)], bytes(1000))
+    assert other.stats().store_bytes <= other.stats().max_bytes
+    assert len(first.entries()) == 2 and len(other.entries()) == 3
+    assert first.verify().orphans_removed == 0  # evicted foreign blobs lost their markers
+
+
+def test_prune_enforces_smaller_budget_and_clear_empties() -> None:
+    clock = FakeClock()
+    store = MemoryBlobStore()
+    big = make_cache(store, clock=clock)
+    _fill_cold(big, clock, 6)
+    small = _budget_cache(store, clock)
+    assert small.prune() > 0
+    assert len(small.entries()) == 5 and small.prune() == 0
+    assert small.clear() == 5
+    assert store.scan(f"{FP}/") == []
+
+
+def test_stats_and_entries() -> None:
+    clock = FakeClock(5000.0)
+    cache = make_cache(clock=clock)
+    cache.save(P, state_for(P))
+    clock.now_s = 6000.0
+    cache.lookup([*P, 1])
+    cache.lookup([9, 9, 9])
+    stats = cache.stats()
+    assert (stats.entries, stats.hits, stats.misses, stats.hit_tokens) == (1, 1, 1, 20)
+    assert stats.bytes == stats.bytes_written == len(encode_blob(FP, B, P, state_for(P)))
+    assert stats.bytes_read == len(state_for(P))
+    (entry,) = cache.entries()
+    assert (entry.n_tokens, entry.last_used, entry.hits) == (20, 6000.0, 1)
+
+
+# ---- failures never reach the caller ------------------------------------------------
+
+
+@pytest.mark.parametrize("err", [errno.EROFS, errno.ENOSPC, errno.EACCES])
+def test_write_failures_make_save_return_false(
+    err: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = make_cache(FailingStore(err))
+    with caplog.at_level(logging.WARNING, logger="shared.prefix_cache"):
+        assert cache.save(P, state_for(P)) is False
+    assert "save skipped" in caplog.text
+
+
+def test_read_only_directory(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "ro"
+    root.mkdir()
+    root.chmod(0o555)
+    try:
+        if os.access(root, os.W_OK):
+            pytest.skip("running as a user that bypasses permissions (root)")
+        cache = make_cache(DirectoryBlobStore(root))
+        with caplog.at_level(logging.WARNING):
+            assert cache.save(P, state_for(P)) is False
+        assert "save skipped" in caplog.text
+        assert cache.lookup([*P, 1]) is None
+    finally:
+        root.chmod(0o755)
+
+
+def test_unwritable_path_on_real_file_system(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_bytes(b"")
+    cache = make_cache(DirectoryBlobStore(blocker / "cache"))
+    assert cache.save(P, state_for(P)) is False
+    assert cache.lookup([*P, 1]) is None
+    assert cache.stats().entries == 0
+
+
+def test_state_larger_than_budget_is_skipped() -> None:
+    cache = make_cache(max_bytes=100)
+    assert cache.save(P, bytes(1000)) is False
+    assert cache.entries() == []
+
+
+# ---- lookup cost ------------------------------------------------------------------
+
+
+SYSTEM = [7, 7, 7, 7, 7, 7, 7, 7]  # one full block shared by every entry
+
+
+def _lookup_costs(n_entries: int) -> list[Counter[str]]:
+    store = CountingStore(MemoryBlobStore())
+    cache = make_cache(store)
+    for i in range(n_entries):
+        tokens = [*SYSTEM, 1000 + i, *range(15)]
+        assert cache.save(tokens, b"s")
+    prompts = [
+        [*SYSTEM, 1005, *range(15), 1, 2],  # hit on a stored entry
+        [*SYSTEM, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5],  # only the shared block matches
+        [3] * 40,  # nothing matches
+    ]
+    costs = []
+    for prompt in prompts:
+        store.calls.clear()
+        cache.lookup(prompt)
+        costs.append(Counter(store.calls))
+    return costs
+
+
+def test_lookup_cost_independent_of_entry_count() -> None:
+    small, large = _lookup_costs(10), _lookup_costs(1000)
+    assert small == large
+    boundaries_in_longest_prompt = 3 + 40 // B
+    for cost in large:
+        assert sum(cost.values()) <= boundaries_in_longest_prompt + 2 * 4 + 3
