@@ -157,8 +157,8 @@ def _parse_head(data: bytes, expected_fp: str) -> tuple[_Header, list[int]] | No
     """Header and verified tokens, or None if anything is inconsistent."""
     if len(data) < _HEADER.size:
         return None
-    magic, version, fp_len, block_tokens, n, payload_bytes, tok_sha, pay_dig = (
-        _HEADER.unpack_from(data)
+    magic, version, fp_len, block_tokens, n, payload_bytes, tok_sha, pay_dig = _HEADER.unpack_from(
+        data
     )
     if magic != MAGIC or version != FORMAT_VERSION or block_tokens < 1:
         return None
@@ -415,7 +415,9 @@ class PrefixCache:
             return False
         chain = block_hashes(tokens, self._block_tokens, self._fp)
         bounds = boundaries(tokens, self._block_tokens, self._fp, chain=chain)
-        name = _blob_name(len(tokens), prefix_key(tokens, self._block_tokens, self._fp, chain=chain))
+        name = _blob_name(
+            len(tokens), prefix_key(tokens, self._block_tokens, self._fp, chain=chain)
+        )
         key = self._blob_key(self._fp, name)
         now_s = self._clock()
         top_marker = self._index_dir(self._fp, bounds[-1].key) + name
@@ -451,7 +453,9 @@ class PrefixCache:
                 if parsed is None:
                     continue
                 n, blob_id = parsed
-                if blob_id != prefix_key(tokens, self._block_tokens, self._fp, n_tokens=n, chain=chain):
+                if blob_id != prefix_key(
+                    tokens, self._block_tokens, self._fp, n_tokens=n, chain=chain
+                ):
                     continue
                 if self._hit_count(self._fp, marker) < self._hot_hits:
                     self._forget(self._fp, marker, tokens[:n], self._block_tokens, None)
@@ -487,6 +491,10 @@ class PrefixCache:
         blob_tokens = self._read_tokens(entry.fp, entry.name) if block_tokens > 0 else None
         if self._forget(entry.fp, entry.name, blob_tokens, max(block_tokens, 1), None):
             self._count(evictions=1)
+
+    def _fingerprints(self) -> list[str]:
+        """Every namespace sharing the store (the budget is global)."""
+        return [fp for fp in self._store.list("") if _FINGERPRINT.fullmatch(fp)]
 
     def _scan(self, fps: Iterable[str], *, with_hits: bool = True) -> list[_Stored]:
         out: list[_Stored] = []
@@ -524,7 +532,7 @@ class PrefixCache:
         Usage is recomputed from the store each time (files are the source of
         truth); concurrent savers may overshoot by one blob each, briefly.
         """
-        fps = self._store.list("")
+        fps = self._fingerprints()
         usage = sum(b.size_bytes for fp in fps for b in self._store.scan(f"{fp}/blobs/"))
         if usage + incoming_bytes <= self._max_bytes:
             return 0
@@ -543,7 +551,7 @@ class PrefixCache:
 
     def stats(self) -> CacheStats:
         mine = self._scan([self._fp])
-        everything = self._scan(self._store.list(""), with_hits=False)
+        everything = self._scan(self._fingerprints(), with_hits=False)
         store_bytes = sum(e.size_bytes for e in everything)
         with self._lock:
             c = dict(self._counters)
@@ -586,17 +594,19 @@ class PrefixCache:
             return True  # deleted concurrently: nothing to judge
         decoded = decode_blob(data, self._fp)
         parsed = _parse_name(name)
+        # The header's block size, not ours: a worker configured differently may
+        # share this fingerprint, and its blobs are valid under its own keys.
+        block_tokens = self._block_tokens if decoded is None else decoded[0].block_tokens
         if (
             decoded is not None
             and parsed is not None
             and decoded[0].n_tokens == parsed[0]
-            and decoded[0].block_tokens == self._block_tokens
-            and prefix_key(decoded[1], self._block_tokens, self._fp) == parsed[1]
+            and prefix_key(decoded[1], block_tokens, self._fp) == parsed[1]
         ):
             return True
         logger.warning("prefix cache verify: removing bad blob %s", name)
         tokens = decoded[1] if decoded is not None else None
-        self._forget(self._fp, name, tokens, self._block_tokens, None)
+        self._forget(self._fp, name, tokens, block_tokens, None)
         return False
 
     def _remove_orphans(self) -> int:

@@ -60,9 +60,7 @@ def _digest(person: bytes, *parts: bytes) -> bytes:
 def seed_key(root: str, block_tokens: int) -> str:
     """Chain seed; block size is mixed in because it changes every boundary."""
     _check_block_tokens(block_tokens)
-    return _digest(
-        b"granary-seed", _SCHEME, _U32.pack(block_tokens), root.encode("utf-8")
-    ).hex()
+    return _digest(b"granary-seed", _SCHEME, _U32.pack(block_tokens), root.encode("utf-8")).hex()
 
 
 def block_hashes(tokens: Sequence[int], block_tokens: int, root: str) -> list[str]:
@@ -115,9 +113,7 @@ def boundaries(
         for length in head_lengths(block_tokens)
         if length <= n
     ]
-    blocks = [
-        Boundary((k + 1) * block_tokens, chain[k]) for k in range(n // block_tokens)
-    ]
+    blocks = [Boundary((k + 1) * block_tokens, chain[k]) for k in range(n // block_tokens)]
     return heads + blocks
 
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import redis
 
-from tests.conftest import Stack
+from tests.harness import Stack
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import httpx
 import orjson
 from httpx_sse import connect_sse
 
-from tests.conftest import Stack
+from tests.harness import Stack
 
 # Greedy and long-winded: SmolLM2 keeps counting well past any max_tokens used here.
 COUNTING = {"prompt": "Count: 1, 2, 3, 4, 5, 6, 7, 8,", "temperature": 0}

@@ -10,7 +10,6 @@ import pytest
 from shared.blob_store import BlobStore, DirectoryBlobStore, MemoryBlobStore
 
 
-
 @pytest.fixture(params=["directory", "memory"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> BlobStore:
     if request.param == "directory":

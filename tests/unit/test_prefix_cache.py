@@ -205,7 +205,7 @@ def test_random_lookups_match_brute_force(truncatable: bool) -> None:
 def _brute_force_best(stored: list[list[int]], prompt: list[int], truncatable: bool) -> int:
     best = 0
     for s in stored:
-        common = next((i for i, (a, b) in enumerate(zip(s, prompt)) if a != b), None)
+        common = next((i for i, (a, b) in enumerate(zip(s, prompt, strict=False)) if a != b), None)
         common = min(len(s), len(prompt)) if common is None else common
         if truncatable:
             best = max(best, min(common, len(prompt) - 1))
@@ -347,7 +347,10 @@ def _race_saver(root: str, fill: int, size: int, start: Event) -> None:
         store.put(key, encode_blob(FP, B, RACE_PREFIXES[0], bytes([fill]) * size))
 
 
-def test_processes_racing_to_save_same_prefixes(tmp_path: Path) -> None:
+def test_processes_racing_to_save_same_prefixes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
     ctx = multiprocessing.get_context("spawn")
     start = ctx.Event()
     payloads = {b"A" * 3000, b"B" * 70000}
@@ -370,6 +373,7 @@ def test_processes_racing_to_save_same_prefixes(tmp_path: Path) -> None:
         hit = reader.lookup([*tokens, 5])
         assert hit is not None and hit.state in payloads and hit.n_tokens == len(tokens)
     assert reader.verify().removed == 0
+    assert "corrupt" not in caplog.text  # no reader ever saw a torn or mixed blob
     assert not list(tmp_path.rglob(".*"))  # no temp files left
 
 
@@ -389,10 +393,14 @@ def _budget_cache(store: BlobStore, clock: FakeClock) -> PrefixCache:
     return make_cache(store, max_bytes=5 * blob_bytes, clock=clock)
 
 
-def test_hot_short_prefix_survives_cold_flood() -> None:
+@pytest.fixture(params=["memory", "directory"])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> BlobStore:
+    return MemoryBlobStore() if request.param == "memory" else DirectoryBlobStore(tmp_path)
+
+
+def test_hot_short_prefix_survives_cold_flood(any_store: BlobStore) -> None:
     clock = FakeClock()
-    store = MemoryBlobStore()
-    cache = _budget_cache(store, clock)
+    cache = _budget_cache(any_store, clock)
     hot = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     assert cache.save(hot, bytes(800))
     for _ in range(2):
@@ -406,9 +414,9 @@ def test_hot_short_prefix_survives_cold_flood() -> None:
     assert cache.lookup([*colds[-1], 1]) is not None
 
 
-def test_unhit_prefix_is_evicted_lru() -> None:
+def test_unhit_prefix_is_evicted_lru(any_store: BlobStore) -> None:
     clock = FakeClock()
-    cache = _budget_cache(MemoryBlobStore(), clock)
+    cache = _budget_cache(any_store, clock)
     once = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     assert cache.save(once, bytes(800))
     assert cache.lookup([*once, 42]) is not None  # a single hit does not protect
@@ -419,9 +427,9 @@ def test_unhit_prefix_is_evicted_lru() -> None:
     assert cache.lookup([*colds[-len(kept)], 1]) is not None
 
 
-def test_eviction_removes_markers_and_hits() -> None:
+def test_eviction_removes_markers_and_hits(any_store: BlobStore) -> None:
     clock = FakeClock()
-    store = MemoryBlobStore()
+    store = any_store
     cache = _budget_cache(store, clock)
     _fill_cold(cache, clock, 12)
     names = {e.key.rsplit("/", 1)[-1] for e in store.scan(f"{FP}/blobs/")}
@@ -435,7 +443,9 @@ def test_budget_is_shared_between_caches_and_fingerprints() -> None:
     store = MemoryBlobStore()
     first = _budget_cache(store, clock)
     _fill_cold(first, clock, 5)
-    other = PrefixCache(store, "0ther", block_tokens=B, max_bytes=first.stats().max_bytes, clock=clock)
+    other = PrefixCache(
+        store, "0ther", block_tokens=B, max_bytes=first.stats().max_bytes, clock=clock
+    )
     for i in range(3):
         clock.now_s += 10
         assert other.save([900 + i, *range(30)], bytes(1000))
@@ -475,9 +485,7 @@ def test_stats_and_entries() -> None:
 
 
 @pytest.mark.parametrize("err", [errno.EROFS, errno.ENOSPC, errno.EACCES])
-def test_write_failures_make_save_return_false(
-    err: int, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_write_failures_make_save_return_false(err: int, caplog: pytest.LogCaptureFixture) -> None:
     cache = make_cache(FailingStore(err))
     with caplog.at_level(logging.WARNING, logger="shared.prefix_cache"):
         assert cache.save(P, state_for(P)) is False
@@ -507,6 +515,36 @@ def test_unwritable_path_on_real_file_system(tmp_path: Path) -> None:
     assert cache.save(P, state_for(P)) is False
     assert cache.lookup([*P, 1]) is None
     assert cache.stats().entries == 0
+
+
+class BrokenReadStore(MemoryBlobStore):
+    def get(self, key: str) -> bytes | None:
+        raise OSError(errno.EIO, "I/O error")
+
+
+def test_read_errors_make_lookup_a_miss(caplog: pytest.LogCaptureFixture) -> None:
+    cache = saved(True, P, store=BrokenReadStore())
+    with caplog.at_level(logging.WARNING):
+        assert cache.lookup([*P, 1]) is None
+    assert "treating as miss" in caplog.text
+    assert cache.stats().misses == 1
+
+
+def test_foreign_files_in_shared_root_are_ignored(tmp_path: Path) -> None:
+    (tmp_path / "lost+found").mkdir()
+    (tmp_path / "README.txt").write_text("not a cache")
+    cache = make_cache(DirectoryBlobStore(tmp_path), max_bytes=1)
+    assert cache.prune() == 0
+    assert cache.save([1, 2], b"x") is False  # over budget, but no crash
+    assert (tmp_path / "README.txt").exists()
+
+
+def test_verify_keeps_blobs_of_a_different_block_size() -> None:
+    store = MemoryBlobStore()
+    other = make_cache(store, block_tokens=4)
+    assert other.save(P, state_for(P))
+    assert saved(True, P[:5], store=store).verify().removed == 0
+    assert (hit := other.lookup([*P, 1])) is not None and hit.n_tokens == 20
 
 
 def test_state_larger_than_budget_is_skipped() -> None:

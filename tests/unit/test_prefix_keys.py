@@ -51,7 +51,9 @@ def test_chain_is_h_prev_concat_block() -> None:
 
 
 def test_same_keys_in_another_process_with_other_hash_seed() -> None:
-    code = "from shared.prefix_keys import block_hashes; print(block_hashes(list(range(10)), 4, 'fp0'))"
+    code = (
+        "from shared.prefix_keys import block_hashes;print(block_hashes(list(range(10)), 4, 'fp0'))"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO)}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True

@@ -1,0 +1,63 @@
+"""`make bench`: run every benchmark and write docs/BENCHMARKS.md.
+
+Usage: python -m bench.run [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from bench import job_path, machine
+from shared.redis_server import private_redis
+from shared.settings import Settings
+from tests.harness import REPO, Stack, free_port
+
+OUT = REPO / "docs" / "BENCHMARKS.md"
+DATA_DIR = REPO / ".data" / "bench"
+
+
+def _settings(redis_url: str, model: str, **extra: object) -> Settings:
+    return Settings(
+        redis_url=redis_url,
+        data_dir=DATA_DIR,
+        model=model,
+        n_ctx=2048,
+        api={"port": free_port()},  # type: ignore[arg-type]
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def _job_path_section(redis_url: str, log_dir: Path, quick: bool) -> str:
+    rows = []
+    for model, max_tokens in (("smollm2-135m", 200), ("qwen2.5-0.5b", 96)):
+        settings = _settings(redis_url, model)
+        stack = Stack(settings, log_dir)
+        try:
+            stack.start_api()
+            stack.start_worker()
+            rows.append(job_path.compare(stack, settings, 2 if quick else 5, max_tokens))
+        finally:
+            stack.stop()
+    return job_path.HEADER + "\n".join(rows) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, private_redis(Path(tmp) / "redis") as redis_url:
+        sections = [_job_path_section(redis_url, Path(tmp), args.quick)]
+    text = (
+        "# Benchmarks\n\nWritten by `make bench` (`bench/run.py`); every figure below comes from "
+        "that run. Timings on shared 2-core machines are noisy: compare the ratios, which are "
+        "measured side by side in one run.\n\n" + machine.describe() + "\n" + "\n".join(sections)
+    )
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

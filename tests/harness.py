@@ -1,0 +1,107 @@
+"""Real processes for tests and benchmarks: an API and workers started like `granary up` does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+
+from shared.settings import Settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment that makes a child process build exactly these settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRANARY_")}
+    for name, value in settings.model_dump(mode="json").items():
+        if isinstance(value, dict):
+            for sub, subvalue in value.items():
+                if subvalue is not None:
+                    env[f"GRANARY_{name.upper()}__{sub.upper()}"] = str(subvalue)
+        elif value is not None:
+            env[f"GRANARY_{name.upper()}"] = str(value)
+    return env
+
+
+@dataclass
+class Stack:
+    """An API and workers as separate processes, like `granary up` runs them."""
+
+    settings: Settings
+    log_dir: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.api.host}:{self.settings.api.port}"
+
+    def _spawn(self, name: str, command: str) -> subprocess.Popen[bytes]:
+        log = (self.log_dir / f"{name}.log").open("wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shared.cli", command],
+            env=settings_env(self.settings),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+        self.procs[name] = proc
+        return proc
+
+    def start_api(self) -> None:
+        self._spawn("api", "api")
+        _wait_for(lambda: _get_ok(f"{self.url}/healthz"), what="the API to listen")
+
+    def start_worker(self, name: str = "worker") -> subprocess.Popen[bytes]:
+        proc = self._spawn(name, "worker")
+        client = redis.Redis.from_url(self.settings.redis_url)
+        before = client.scard("rq:workers")
+        _wait_for(lambda: client.scard("rq:workers") > before, what=f"{name} to register")
+        return proc
+
+    def kill(self, name: str) -> None:
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _wait_for(check: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.1)
