@@ -201,6 +201,27 @@ def _blob_name(n_tokens: int, blob_id: str) -> str:
     return f"{n_tokens}-{blob_id}"
 
 
+def restorable_tokens(
+    common: int, stored: int, limit: int, block_tokens: int, truncatable: bool
+) -> int:
+    """How many tokens of a stored prefix a prompt may restore so warm output equals cold.
+
+    `stored`: tokens of the stored state; `common`: how many of them the prompt shares;
+    `limit`: the prompt's length minus the one token always decoded fresh. Workers prefill in
+    chunks that end at multiples of `block_tokens` and at `limit`, and a KV cell's values
+    depend on the shape of the chunk that computed it (measured: up to 0.25 in a logit). So a
+    restore may end only where the prompt's own cold prefill ends a chunk: at a block boundary,
+    or at `limit` when the stored state is exactly that prefix. A longer state is cut back to a
+    block boundary, which only plain-attention memories allow.
+    """
+    n = min(common, limit)
+    if n == stored and (n == limit or n % block_tokens == 0):
+        return n
+    if not truncatable:
+        return 0
+    return n - n % block_tokens
+
+
 class PrefixCache:
     """Longest-prefix KV-state cache over a shared :class:`BlobStore`.
 
@@ -264,13 +285,17 @@ class PrefixCache:
 
     # ---- lookup -----------------------------------------------------------
 
-    def lookup(self, prompt_tokens: Sequence[int]) -> CacheHit | None:
-        """Longest usable cached prefix; never raises for bad or missing files."""
+    def lookup(self, prompt_tokens: Sequence[int], min_tokens: int = 1) -> CacheHit | None:
+        """Longest usable cached prefix of at least `min_tokens`; never raises for bad files.
+
+        `min_tokens` lets a caller that already holds a prefix in memory skip reading blobs
+        that could not beat it.
+        """
         tokens = list(prompt_tokens)
         hit: CacheHit | None = None
         if len(tokens) >= 2:  # the last prompt token is always decoded fresh
             try:
-                hit = self._find(tokens)
+                hit = self._find(tokens, min_tokens)
             except OSError as exc:
                 logger.warning("prefix cache lookup failed, treating as miss: %s", exc)
         if hit is None:
@@ -279,9 +304,15 @@ class PrefixCache:
             self._count(hits=1, hit_tokens=hit.n_tokens, bytes_read=len(hit.state))
         return hit
 
-    def _find(self, tokens: list[int]) -> CacheHit | None:
+    def _find(self, tokens: list[int], min_tokens: int) -> CacheHit | None:
         chain = block_hashes(tokens, self._block_tokens, self._fp)
+        # A blob found at a boundary is shorter than the next longer boundary (else it would
+        # have been found there), so once that bound drops below min_tokens, stop.
+        upper = len(tokens) - 1
         for boundary in reversed(boundaries(tokens, self._block_tokens, self._fp, chain=chain)):
+            if upper < min_tokens:
+                return None
+            upper = boundary.n_tokens
             marker_dir = self._index_dir(self._fp, boundary.key)
             names = self._store.list(marker_dir)
             if names:
@@ -306,8 +337,9 @@ class PrefixCache:
             if n <= len(tokens) and blob_id == prefix_key(
                 tokens, self._block_tokens, self._fp, n_tokens=n, chain=chain
             ):
-                if self._truncatable or n <= limit:
-                    ranked.append((min(n, limit), name))
+                usable = self.usable(n, n, limit)
+                if usable > 0:
+                    ranked.append((usable, name))
             elif self._truncatable:
                 unknown.append((min(n, limit), name))
         if self._truncatable:
@@ -339,7 +371,10 @@ class PrefixCache:
             if blob_tokens is None:
                 self._forget(self._fp, name, None, self._block_tokens, marker_dir + name)
                 continue
-            out.append((min(common_prefix_len(blob_tokens, tokens), len(tokens) - 1), name))
+            common = common_prefix_len(blob_tokens, tokens)
+            usable = self.usable(common, len(blob_tokens), len(tokens) - 1)
+            if usable > 0:
+                out.append((usable, name))
         return out
 
     def _read_tokens(self, fp: str, name: str) -> list[int] | None:
@@ -373,15 +408,14 @@ class PrefixCache:
             return None
         _, blob_tokens, state = decoded
         common = common_prefix_len(blob_tokens, tokens)
-        if self._truncatable:
-            usable = min(common, len(tokens) - 1)
-        else:
-            exact = common == len(blob_tokens) and len(blob_tokens) <= len(tokens) - 1
-            usable = len(blob_tokens) if exact else 0
+        usable = self.usable(common, len(blob_tokens), len(tokens) - 1)
         if usable < 1:
             return None
         self._record_use(key, name)
         return CacheHit(usable, state, len(blob_tokens), blob_id)
+
+    def usable(self, common: int, blob_tokens: int, limit: int) -> int:
+        return restorable_tokens(common, blob_tokens, limit, self._block_tokens, self._truncatable)
 
     def _record_use(self, key: str, name: str) -> None:
         self._store.touch(key, self._clock())

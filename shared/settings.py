@@ -47,7 +47,10 @@ class CacheSettings(BaseModel):
     # None: `<data_dir>/kv`.
     dir: Path | None = None
     max_bytes: int = Field(10 * 1024**3, ge=0)
+    # Prefill runs in chunks of this size too, so keep it <= n_batch.
     block_tokens: int = Field(256, ge=16)
+    # Shorter prompts are cheap to recompute and not worth a file.
+    min_tokens: int = Field(32, ge=1)
 
 
 class WarmerSettings(BaseModel):

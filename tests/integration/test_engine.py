@@ -24,7 +24,7 @@ def _settings(model: str) -> Settings:
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
 def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     llama = load_llama(_settings(request.param))
-    yield Engine(llama)
+    yield Engine(llama, chunk_tokens=64)
     llama.close()
 
 

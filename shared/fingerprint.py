@@ -1,0 +1,62 @@
+"""A model fingerprint: which cached KV states a process may read.
+
+The state of a prompt depends on the weights, the KV cache's data type and the state format of
+the llama.cpp build, so all three go into the fingerprint; a different model or build reads
+none of another's blobs. Hashing a GGUF takes ~1 s per 500 MB, so the content digest is kept in
+a sidecar file keyed by path, size and modification time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+
+import orjson
+
+# llama.cpp's default KV cache type; granary does not change it.
+KV_CACHE_TYPE = "f16"
+_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+def file_digest(path: Path, sidecar_dir: Path) -> str:
+    stat = path.stat()
+    stamp = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    sidecar = sidecar_dir / "fingerprints.json"
+    known = _read_json(sidecar)
+    if stamp in known:
+        return str(known[stamp])
+    digest = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    known[stamp] = digest.hexdigest()
+    _write_json(sidecar, known)
+    return digest.hexdigest()
+
+
+def model_fingerprint(path: Path, sidecar_dir: Path) -> str:
+    parts = [file_digest(path, sidecar_dir), KV_CACHE_TYPE, f"llama-cpp-python={version('llama-cpp-python')}"]
+    return hashlib.blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
+
+
+def _read_json(path: Path) -> dict[str, object]:
+    try:
+        data = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json(path: Path, data: dict[str, object]) -> None:
+    """Best effort: a lost sidecar only costs a re-hash."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(orjson.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass
