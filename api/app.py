@@ -9,11 +9,12 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis as AsyncRedis
 
-from api import errors, health, jobs
+from api import cache, errors, health, jobs
 from api.event_hub import EventHub
 from api.state import AppState
 from shared.job_store import JobStore
 from shared.llm import load_llama
+from shared.prefix_cache import open_cache
 from shared.redis_server import connect
 from shared.settings import Settings
 from shared.submission import Submitter
@@ -36,6 +37,7 @@ def create_app(settings: Settings) -> FastAPI:
             store=store,
             submitter=Submitter(redis, store, tokenizer, settings),
             hub=hub,
+            cache=open_cache(settings) if settings.cache.enabled else None,
         )
         try:
             yield
@@ -49,6 +51,7 @@ def create_app(settings: Settings) -> FastAPI:
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(cache.router)
     return app
 
 

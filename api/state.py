@@ -11,6 +11,7 @@ from redis.asyncio import Redis as AsyncRedis
 
 from api.event_hub import EventHub
 from shared.job_store import JobStore
+from shared.prefix_cache import PrefixCache
 from shared.settings import Settings
 from shared.submission import Submitter
 
@@ -24,6 +25,7 @@ class AppState:
     store: JobStore
     submitter: Submitter
     hub: EventHub
+    cache: PrefixCache | None
 
 
 def state_of(request: Request) -> AppState:

@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("worker", help="run one worker with the model resident")
     sub.add_parser("warmer", help="run the warm-up scheduler")
     sub.add_parser("prepare", help="provision the configured model and print its path")
+    cache = sub.add_parser("cache", help="inspect or manage the shared prefix cache")
+    cache.add_argument("action", choices=["stats", "ls", "verify", "prune", "clear"])
 
     submit = sub.add_parser("submit", help="submit a prompt and stream the answer")
     submit.add_argument("prompt", help="the prompt, or @FILE to read it from a file")
@@ -82,6 +84,10 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         from shared.models import resolve_model
 
         print(resolve_model(settings.model, settings.data_dir))
+    elif args.command == "cache":
+        from shared.cache_admin import run_cache_command
+
+        return run_cache_command(args.action, settings)
     elif args.command == "submit":
         from shared.client import submit_from_cli
 

@@ -33,3 +33,8 @@ def job_cancel(job_id: str) -> str:
 
 def idempotency(key: str) -> str:
     return f"{PREFIX}:idempotency:{key}"
+
+
+def cache_counters(fingerprint: str) -> str:
+    """Hash of prefix-cache counters summed over every worker of one model fingerprint."""
+    return f"{PREFIX}:cache:{fingerprint}:counters"

@@ -31,8 +31,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from shared.blob_store import BlobEntry, BlobStore
+from shared.blob_store import BlobEntry, BlobStore, DirectoryBlobStore
+from shared.fingerprint import model_fingerprint
+from shared.models import resolve_model
 from shared.prefix_keys import (
     KEY_HEX_CHARS,
     Boundary,
@@ -57,6 +60,9 @@ HOT_HITS = 2
 HIT_COUNT_CAP = 16
 MAX_PROBES = 4
 PROTECTED_FRACTION = 0.8
+
+if TYPE_CHECKING:
+    from shared.settings import Settings
 
 _FINGERPRINT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 _NAME = re.compile(rf"(\d+)-([0-9a-f]{{{KEY_HEX_CHARS}}})")
@@ -316,13 +322,18 @@ class PrefixCache:
             marker_dir = self._index_dir(self._fp, boundary.key)
             names = self._store.list(marker_dir)
             if names:
-                hit = self._best_at(tokens, chain, marker_dir, names)
+                hit = self._best_at(tokens, chain, marker_dir, names, min_tokens)
                 if hit is not None:
                     return hit
         return None
 
     def _best_at(
-        self, tokens: list[int], chain: list[str], marker_dir: str, names: list[str]
+        self,
+        tokens: list[int],
+        chain: list[str],
+        marker_dir: str,
+        names: list[str],
+        min_tokens: int,
     ) -> CacheHit | None:
         """Try the candidates sharing one boundary with the prompt, best first."""
         limit = len(tokens) - 1
@@ -344,7 +355,9 @@ class PrefixCache:
                 unknown.append((min(n, limit), name))
         if self._truncatable:
             ranked += self._probe(tokens, marker_dir, unknown, ranked)
-        for _, name in sorted(ranked, reverse=True):
+        for usable, name in sorted(ranked, reverse=True):
+            if usable < min_tokens:
+                break
             hit = self._load(tokens, marker_dir, name)
             if hit is not None:
                 return hit
@@ -491,6 +504,10 @@ class PrefixCache:
                     tokens, self._block_tokens, self._fp, n_tokens=n, chain=chain
                 ):
                     continue
+                # One ending mid-block still serves its exact repeat in full; the new blob
+                # would serve it only cut back to the block boundary.
+                if n % self._block_tokens:
+                    continue
                 if self._hit_count(self._fp, marker) < self._hot_hits:
                     self._forget(self._fp, marker, tokens[:n], self._block_tokens, None)
 
@@ -583,6 +600,15 @@ class PrefixCache:
 
     # ---- maintenance ------------------------------------------------------
 
+    @property
+    def fingerprint(self) -> str:
+        return self._fp
+
+    def counters(self) -> dict[str, int]:
+        """This process's hit/miss/byte counters (cheap: no directory scan)."""
+        with self._lock:
+            return dict(self._counters)
+
     def stats(self) -> CacheStats:
         mine = self._scan([self._fp])
         everything = self._scan(self._fingerprints(), with_hits=False)
@@ -670,3 +696,19 @@ class PrefixCache:
             deleted = self._store.delete(entry.key)
             removed += int(deleted and entry.key.startswith(f"{self._fp}/blobs/"))
         return removed
+
+
+def open_cache(settings: Settings, *, truncatable: bool = True) -> PrefixCache:
+    """The configured model's cache in the configured directory.
+
+    `truncatable` matters only to a process that restores states (a worker knows it from the
+    loaded model); the API and CLI only read statistics and manage files.
+    """
+    model_path = resolve_model(settings.model, settings.data_dir)
+    return PrefixCache(
+        DirectoryBlobStore(settings.cache_dir),
+        model_fingerprint(model_path, settings.data_dir),
+        block_tokens=settings.cache.block_tokens,
+        max_bytes=settings.cache.max_bytes,
+        truncatable=truncatable,
+    )

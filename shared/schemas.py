@@ -123,3 +123,22 @@ class JobView(BaseModel):
 class TokenEvent(BaseModel):
     index: int
     text: str
+
+
+class CacheReport(BaseModel):
+    """The prefix cache: entries and bytes on disk, counters summed over every worker."""
+
+    enabled: bool
+    dir: str
+    fingerprint: str | None = None
+    entries: int = 0
+    bytes: int = 0
+    max_bytes: int = 0
+    # Everything in the directory (every model's entries): what max_bytes is enforced on.
+    directory_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_tokens: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evictions: int = 0

@@ -69,6 +69,16 @@ class Engine:
     def n_ctx(self) -> int:
         return self.llama.n_ctx()
 
+    def close(self) -> None:
+        """Finish writing pending snapshots (a stopping worker must not lose them)."""
+        if self._saver is not None:
+            self._saver.close()
+
+    def forget(self) -> None:
+        """Drop everything held in memory: the next job starts cold (or from disk)."""
+        self.llama.reset()
+        self._prefilled = 0
+
     def generate(self, order: WorkOrder, on_token: OnToken) -> Generation:
         started = time.perf_counter()
         tokens = tokenize(self.llama, order.prompt)

@@ -11,6 +11,7 @@ import logging
 from redis import Redis
 from rq.job import Job
 
+from shared.cache_counters import CounterPublisher
 from shared.job_store import JobStore
 from shared.schemas import JobStatus, Timings, TokenEvent
 from worker.engine import Engine
@@ -21,9 +22,12 @@ log = logging.getLogger(__name__)
 class Runtime:
     """What a worker process holds for its whole life: the model and the job store."""
 
-    def __init__(self, engine: Engine, store: JobStore) -> None:
+    def __init__(
+        self, engine: Engine, store: JobStore, counters: CounterPublisher | None = None
+    ) -> None:
         self.engine = engine
         self.store = store
+        self._counters = counters
 
     def run(self, job_id: str) -> None:
         store = self.store
@@ -50,6 +54,8 @@ class Runtime:
             usage=generation.usage,
             timings=Timings(**{**generation.timings.model_dump(), "queued_ms": queued_ms}),
         )
+        if self._counters is not None:
+            self._counters.publish()
 
 
 _runtime: Runtime | None = None

@@ -49,9 +49,10 @@ def test_greedy_output_equals_raw_llama_cpp(engine: Engine) -> None:
 
 
 def test_memory_reuse_never_changes_the_output(engine: Engine) -> None:
-    first = DOC * 3 + "Summarise:"
-    second = DOC * 3 + "List the days:"
-    cold_second = raw(engine.llama, second)
+    first = DOC * 6 + "Summarise:"
+    second = DOC * 6 + "List the days:"
+    engine.forget()
+    cold_second, _ = run(engine, second)
     run(engine, first)
     warm_second, cached = run(engine, second)
     assert warm_second == cold_second

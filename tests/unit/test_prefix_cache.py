@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import json
 import logging
 import multiprocessing
 import os
@@ -111,60 +112,107 @@ def markers(store: BlobStore) -> list[str]:
 
 
 # ---- lookup semantics ----------------------------------------------------------------
+#
+# A restore may end only where the prompt's own cold prefill ends a chunk: at a multiple of
+# B, or at limit = len(prompt) - 1 when the blob is exactly that prefix. Workers save
+# prompt[:-1] after each job (plus, when not truncatable, the last block boundary below it).
 
 
-def test_exact_prompt_hits_all_but_last_token() -> None:
-    hit = saved(True, P).lookup(P)
-    assert hit == CacheHit(19, state_for(P), 20, prefix_key(P, B, FP))
+@pytest.mark.parametrize("truncatable", [True, False])
+def test_exact_repeat_hits_all_but_last_token(truncatable: bool) -> None:
+    snapshot = P[:-1]  # what the worker saved after running P (19 tokens: mid-block)
+    hit = saved(truncatable, snapshot).lookup(P)
+    assert hit == CacheHit(19, state_for(snapshot), 19, prefix_key(snapshot, B, FP))
 
 
-def test_exact_prompt_misses_when_not_truncatable() -> None:
+def test_blob_of_whole_prompt_is_cut_to_block_when_truncatable() -> None:
+    hit = saved(True, P).lookup(P)  # 20 tokens held, limit 19: cells 16..19 had another shape
+    assert hit == CacheHit(16, state_for(P), 20, prefix_key(P, B, FP))
+
+
+def test_blob_of_whole_prompt_misses_when_not_truncatable() -> None:
     assert saved(False, P).lookup(P) is None
 
 
 @pytest.mark.parametrize("truncatable", [True, False])
-def test_longer_prompt_uses_whole_blob(truncatable: bool) -> None:
-    hit = saved(truncatable, P).lookup([*P, 7, 7, 7])
+def test_longer_prompt_uses_whole_mid_block_blob_only_at_limit(truncatable: bool) -> None:
+    cache = saved(truncatable, P)  # 20 tokens, ends mid-block
+    hit = cache.lookup([*P, 7])  # limit 20 == blob: the cold run also ends a chunk at 20
     assert hit is not None and hit.n_tokens == 20 and hit.blob_tokens == 20
     assert hit.state == state_for(P)
+    hit = cache.lookup([*P, 7, 7, 7])  # limit 22: cold run computes 16..21 in one chunk
+    if truncatable:
+        assert hit is not None and (hit.n_tokens, hit.blob_tokens) == (16, 20)
+        assert hit.state == state_for(P)
+    else:
+        assert hit is None
+
+
+@pytest.mark.parametrize("truncatable", [True, False])
+def test_longer_prompt_uses_whole_block_aligned_blob(truncatable: bool) -> None:
+    hit = saved(truncatable, P[:16]).lookup([*P, 7, 7, 7])
+    assert hit is not None and (hit.n_tokens, hit.blob_tokens) == (16, 16)
+    assert hit.state == state_for(P[:16])
 
 
 def test_prompt_diverging_mid_block_truncatable() -> None:
     prompt = [*P[:18], 99, 99, 99, 99, 99]
     hit = saved(True, P).lookup(prompt)
-    assert hit is not None and (hit.n_tokens, hit.blob_tokens) == (18, 20)
+    assert hit is not None and (hit.n_tokens, hit.blob_tokens) == (16, 20)
+    hit = saved(True, P).lookup([*P[:15], 99, 99, 99])  # diverges inside block 2
+    assert hit is not None and (hit.n_tokens, hit.blob_tokens) == (8, 20)
 
 
 def test_prompt_diverging_mid_block_not_truncatable() -> None:
-    assert saved(False, P).lookup([*P[:18], 99, 99, 99]) is None
-    shorter = P[:12]
-    hit = saved(False, P, shorter).lookup([*P[:18], 99, 99, 99])
-    assert hit is not None and hit.n_tokens == 12 and hit.state == state_for(shorter)
+    prompt = [*P[:18], 99, 99, 99]
+    assert saved(False, P).lookup(prompt) is None
+    assert saved(False, P, P[:12]).lookup(prompt) is None  # exact but ends mid-block
+    boundary = P[:16]
+    hit = saved(False, P, P[:12], boundary).lookup(prompt)
+    assert hit is not None and hit.n_tokens == 16 and hit.state == state_for(boundary)
+
+
+def test_not_truncatable_prefers_block_boundary_blob_for_longer_prompt() -> None:
+    # The worker's pair after running P: P[:19] (limit) and P[:16] (last block boundary).
+    cache = saved(False, P[:19], P[:16])
+    hit = cache.lookup([*P, 5, 6, 7])
+    assert hit is not None and (hit.n_tokens, hit.blob_tokens) == (16, 16)
+    assert hit.state == state_for(P[:16])
+    hit = cache.lookup(P)  # the exact repeat still restores everything
+    assert hit is not None and (hit.n_tokens, hit.blob_tokens) == (19, 19)
+    hit = cache.lookup([*P[:19], 99])  # same limit, different last token
+    assert hit is not None and hit.n_tokens == 19
 
 
 def test_shorter_prompt_truncatable() -> None:
     hit = saved(True, P).lookup(P[:13])
-    assert hit is not None and (hit.n_tokens, hit.blob_tokens) == (12, 20)
+    assert hit is not None and (hit.n_tokens, hit.blob_tokens) == (8, 20)
+    hit = saved(True, P).lookup(P[:17])  # limit 16 is a block boundary
+    assert hit is not None and (hit.n_tokens, hit.blob_tokens) == (16, 20)
 
 
 def test_shorter_prompt_not_truncatable() -> None:
     assert saved(False, P).lookup(P[:13]) is None
+    assert saved(False, P).lookup(P[:17]) is None
 
 
-def test_prompts_shorter_than_one_block() -> None:
+@pytest.mark.parametrize("truncatable", [True, False])
+def test_prompts_shorter_than_one_block(truncatable: bool) -> None:
     short = [5, 6, 7]
-    cache = saved(True, short)
-    assert (hit := cache.lookup(short)) is not None and hit.n_tokens == 2
+    cache = saved(truncatable, short)
     assert (hit := cache.lookup([5, 6, 7, 8])) is not None and hit.n_tokens == 3
-    assert (hit := cache.lookup([5, 6])) is not None and hit.n_tokens == 1
-    strict = saved(False, short)
-    assert strict.lookup(short) is None
-    assert (hit := strict.lookup([5, 6, 7, 8])) is not None and hit.n_tokens == 3
+    assert cache.lookup(short) is None  # limit 2: no block boundary below it
+    assert cache.lookup([5, 6]) is None
+    assert cache.lookup([5, 6, 7, 8, 9]) is None  # limit 4 > 3, and 3 is mid-block
 
 
-def test_short_prompt_hits_long_blob_mid_head() -> None:
-    hit = saved(True, P).lookup([11, 12, 13, 14, 15, 16, 40])  # diverges at 6 < B
-    assert hit is not None and hit.n_tokens == 6
+def test_short_prompt_uses_exact_blob_in_head_boundary() -> None:
+    prompt = [11, 12, 13, 14, 15, 16, 40]  # diverges from P at 6 < B
+    assert saved(True, P).lookup(prompt) is None  # only block 0 lies below the divergence
+    cache = saved(True, P, P[:6])  # P[:6]: a worker's snapshot after running prompt
+    hit = cache.lookup(prompt)
+    assert hit is not None and (hit.n_tokens, hit.blob_tokens) == (6, 6)
+    assert hit.state == state_for(P[:6])
 
 
 def test_single_token_prompt_never_hits() -> None:
@@ -181,37 +229,124 @@ def test_foreign_fingerprint_never_reads_blobs() -> None:
     assert other.entries() == []
 
 
+@pytest.mark.parametrize(
+    ("common", "blob_tokens", "limit", "truncatable", "expected"),
+    [
+        (19, 19, 19, True, 19),  # exact repeat
+        (19, 19, 19, False, 19),
+        (16, 16, 22, True, 16),  # exact, ends on a block boundary
+        (16, 16, 22, False, 16),
+        (20, 20, 22, True, 16),  # exact but mid-block and short of limit
+        (20, 20, 22, False, 0),
+        (20, 20, 19, True, 16),  # longer than the prompt allows
+        (20, 20, 19, False, 0),
+        (18, 20, 22, True, 16),  # diverges mid-block
+        (18, 20, 22, False, 0),
+        (16, 20, 22, True, 16),  # diverges on a block boundary
+        (16, 20, 22, False, 0),
+        (16, 24, 16, True, 16),  # limit on a block boundary inside a longer blob
+        (16, 24, 16, False, 0),
+        (3, 3, 3, True, 3),  # shorter than one block
+        (3, 3, 3, False, 3),
+        (3, 3, 5, True, 0),
+        (6, 20, 6, True, 0),
+        (0, 20, 22, True, 0),
+    ],
+)
+def test_usable_table(
+    common: int, blob_tokens: int, limit: int, truncatable: bool, expected: int
+) -> None:
+    assert make_cache(truncatable=truncatable).usable(common, blob_tokens, limit) == expected
+
+
 @pytest.mark.parametrize("truncatable", [True, False])
 def test_random_lookups_match_brute_force(truncatable: bool) -> None:
     rng = random.Random(1234 + truncatable)
-    cache = make_cache(truncatable=truncatable, block_tokens=4, max_probes=10**6)
+    block = 4
+    cache = make_cache(truncatable=truncatable, block_tokens=block, max_probes=10**6)
     saved_seqs = [[rng.randint(1, 3) for _ in range(rng.randint(1, 14))] for _ in range(40)]
     for seq in saved_seqs:
         assert cache.save(seq, state_for(seq))
     stored_ids = {e.key for e in cache.entries()}
-    stored = [s for s in saved_seqs if prefix_key(s, 4, FP) in stored_ids]
+    stored = [s for s in saved_seqs if prefix_key(s, block, FP) in stored_ids]
+    kinds: Counter[str] = Counter()
     for _ in range(400):
         prompt = [rng.randint(1, 3) for _ in range(rng.randint(1, 18))]
         hit = cache.lookup(prompt)
-        best = _brute_force_best(stored, prompt, truncatable)
+        best = _brute_force_best(stored, prompt, truncatable, block)
         assert (0 if hit is None else hit.n_tokens) == best, prompt
-        if hit is not None:
-            blob = next(s for s in stored if prefix_key(s, 4, FP) == hit.key)
-            assert hit.state == state_for(blob) and hit.blob_tokens == len(blob)
-            assert blob[: hit.n_tokens] == prompt[: hit.n_tokens]
-            assert hit.n_tokens <= len(prompt) - 1
+        if hit is None:
+            kinds["miss"] += 1
+            continue
+        blob = next(s for s in stored if prefix_key(s, block, FP) == hit.key)
+        assert hit.state == state_for(blob) and hit.blob_tokens == len(blob)
+        assert blob[: hit.n_tokens] == prompt[: hit.n_tokens]
+        assert hit.n_tokens <= len(prompt) - 1
+        if hit.n_tokens % block:
+            assert hit.n_tokens == len(prompt) - 1 == len(blob)
+            kinds["at_limit"] += 1
+        else:
+            kinds["cut" if hit.n_tokens < len(blob) else "at_block"] += 1
+    # Every branch of the rule was exercised (cutting needs a truncatable cache).
+    assert kinds["miss"] and kinds["at_limit"] and kinds["at_block"]
+    assert bool(kinds["cut"]) == truncatable
 
 
-def _brute_force_best(stored: list[list[int]], prompt: list[int], truncatable: bool) -> int:
+def _brute_force_best(
+    stored: list[list[int]], prompt: list[int], truncatable: bool, block: int
+) -> int:
+    """Try every point where a cold prefill of `prompt` ends a chunk, against every blob."""
+    limit = len(prompt) - 1
+    chunk_ends = {*range(block, limit + 1, block), limit}
     best = 0
     for s in stored:
-        common = next((i for i, (a, b) in enumerate(zip(s, prompt, strict=False)) if a != b), None)
-        common = min(len(s), len(prompt)) if common is None else common
-        if truncatable:
-            best = max(best, min(common, len(prompt) - 1))
-        elif common == len(s) and len(s) <= len(prompt) - 1:
-            best = max(best, len(s))
+        for end in chunk_ends:
+            if end < 1 or end > len(s) or s[:end] != prompt[:end]:
+                continue
+            exact = end == len(s)  # the blob's own last chunk ended here too
+            if exact or (truncatable and end % block == 0):
+                best = max(best, end)
     return best
+
+
+def _cells(tokens: list[int], start: int, end: int, block: int) -> list[list[int]]:
+    """Cold-prefill model: a cell's value is its token plus the shape of its chunk."""
+    out: list[list[int]] = []
+    position = start
+    while position < end:
+        chunk_end = min(position - position % block + block, end)
+        out += [[t, position, chunk_end] for t in tokens[position:chunk_end]]
+        position = chunk_end
+    return out
+
+
+@pytest.mark.parametrize("truncatable", [True, False])
+def test_warm_runs_compute_the_same_cells_as_cold_runs(truncatable: bool) -> None:
+    """Simulate the worker: restore, prefill the rest in canonical chunks, save snapshots."""
+    rng = random.Random(99 + truncatable)
+    block = 4
+    cache = make_cache(truncatable=truncatable, block_tokens=block, max_probes=10**6)
+    stems = [[rng.randint(1, 50) for _ in range(rng.randint(0, 12))] for _ in range(6)]
+    reused = 0
+    for _ in range(300):
+        prompt = [*rng.choice(stems), *(rng.randint(1, 3) for _ in range(rng.randint(0, 9)))]
+        if len(prompt) < 2:
+            continue
+        limit = len(prompt) - 1
+        hit = cache.lookup(prompt)
+        cells: list[list[int]] = []
+        if hit is not None:
+            if not truncatable:
+                assert hit.n_tokens == hit.blob_tokens
+            cells = json.loads(hit.state)[: hit.n_tokens]
+        restored = len(cells)
+        cells += _cells(prompt, restored, limit, block)
+        assert cells == _cells(prompt, 0, limit, block), (prompt, restored)
+        reused += restored
+        points = {limit} if truncatable else {limit, limit - limit % block}
+        for point in sorted(p for p in points if p > restored):
+            cache.save(prompt[:point], json.dumps(cells[:point]).encode())
+    assert reused > 300  # the cache was actually used
 
 
 # ---- save: dedupe, redundancy ---------------------------------------------------------
@@ -229,9 +364,15 @@ def test_saving_same_prefix_twice_is_cheap_noop() -> None:
 
 def test_extension_replaces_shorter_blob_when_truncatable() -> None:
     store = MemoryBlobStore()
-    cache = saved(True, P[:10], P, store=store)
+    cache = saved(True, P[:8], P, store=store)
     assert [e.n_tokens for e in cache.entries()] == [20]
     assert all(k.endswith(f"20-{prefix_key(P, B, FP)}") for k in markers(store))
+    assert (hit := cache.lookup([*P[:8], 1])) is not None and hit.n_tokens == 8
+
+
+def test_extension_keeps_serving_mid_block_prefix_fully() -> None:
+    # The longer blob could serve it only cut back to 8 tokens, so the 10-token one stays.
+    cache = saved(True, P[:10], P)
     assert (hit := cache.lookup([*P[:10], 1])) is not None and hit.n_tokens == 10
 
 
@@ -297,11 +438,11 @@ def test_damaged_blob_is_a_miss_and_removed(
 
 def test_corrupt_long_blob_falls_back_to_shorter(tmp_path: Path) -> None:
     store = DirectoryBlobStore(tmp_path)
-    cache = saved(False, P[:10], P, store=store)
+    cache = saved(False, P[:16], P, store=store)  # the worker's pair after running [*P, 1]
     long_path = next(p for p in blob_files(tmp_path) if p.name.startswith("20-"))
     long_path.write_bytes(long_path.read_bytes()[:-1])
     hit = cache.lookup([*P, 1])
-    assert hit is not None and hit.n_tokens == 10 and hit.state == state_for(P[:10])
+    assert hit is not None and hit.n_tokens == 16 and hit.state == state_for(P[:16])
     assert not long_path.exists()
 
 
@@ -571,10 +712,11 @@ def _lookup_costs(n_entries: int) -> list[Counter[str]]:
         [3] * 40,  # nothing matches
     ]
     costs = []
-    for prompt in prompts:
+    for prompt, expected in zip(prompts, (24, 8, 0), strict=True):
         store.calls.clear()
-        cache.lookup(prompt)
+        hit = cache.lookup(prompt)
         costs.append(Counter(store.calls))
+        assert (0 if hit is None else hit.n_tokens) == expected
     return costs
 
 
@@ -584,3 +726,10 @@ def test_lookup_cost_independent_of_entry_count() -> None:
     boundaries_in_longest_prompt = 3 + 40 // B
     for cost in large:
         assert sum(cost.values()) <= boundaries_in_longest_prompt + 2 * 4 + 3
+
+
+def test_lookup_below_min_tokens_reads_nothing_and_counts_no_hit() -> None:
+    cache = saved(False, P[:16])
+    assert cache.lookup([*P, 1], min_tokens=17) is None
+    assert cache.counters()["hits"] == 0
+    assert cache.entries()[0].hits == 0

@@ -1,0 +1,114 @@
+"""The disk prefix cache under the real engine: warm output is cold output, bit for bit.
+
+Each model's memory is wiped between runs (`forget`), so only the disk cache can help; cold
+runs use an engine without a cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.llm import load_llama
+from shared.prefix_cache import PrefixCache, open_cache
+from shared.schemas import JobRequest
+from shared.settings import Settings
+from shared.submission import work_order_for
+from tests.conftest import DATA_DIR
+from worker.engine import Engine, Generation, memory_is_truncatable
+from worker.prefix_saver import PrefixSaver
+
+BLOCK = 64
+DOC = " ".join(f"Crate {i} holds {i * 7 % 13} pears for shop {i % 5}." for i in range(24))
+BASE = DOC + "\nList every crate for shop 3, one per line:\n"
+CASES = {
+    "exact prefix": BASE,
+    "prefix ending mid-block": BASE[:-60] + "\nList every crate with more than 6 pears:\n",
+    "longer prompt": BASE + "Crate 3 holds 8 pears for shop 3.\n",
+}
+
+
+class Models:
+    def __init__(self, model: str, cache_dir: Path) -> None:
+        self.settings = Settings(
+            model=model,
+            data_dir=DATA_DIR,
+            n_ctx=1024,
+            cache={"dir": cache_dir, "block_tokens": BLOCK, "min_tokens": 16},
+        )
+        self.llama = load_llama(self.settings)
+        self.cache = open_cache(self.settings, truncatable=memory_is_truncatable(self.llama))
+        self.saver = PrefixSaver(self.cache)
+        self.warm = Engine(self.llama, BLOCK, self.cache, self.saver, 16)
+        self.cold = Engine(self.llama, BLOCK)
+
+    def run(self, engine: Engine, prompt: str, max_tokens: int = 32) -> Generation:
+        engine.forget()
+        request = JobRequest(prompt=prompt, max_tokens=max_tokens, temperature=0)
+        order = work_order_for(self.llama, request, n_ctx=1024, default_max_tokens=max_tokens)
+        generation = engine.generate(order, lambda _i, _t: False)
+        self.saver.flush()
+        return generation
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"])
+def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Models]:
+    m = Models(request.param, tmp_path_factory.mktemp("kv"))
+    yield m
+    m.saver.close()
+    m.llama.close()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_warm_output_equals_cold_output(models: Models, case: str) -> None:
+    models.cache.clear()
+    models.run(models.warm, BASE)  # computes BASE and stores its snapshots
+    prompt = CASES[case]
+    cold = models.run(models.cold, prompt)
+    warm = models.run(models.warm, prompt)
+    assert cold.usage.completion_tokens == 32  # a real comparison, not an early stop
+    assert warm.result.text == cold.result.text
+    n = warm.usage.prompt_tokens
+    if case == "exact prefix":
+        assert warm.usage.cached_tokens == n - 1
+    else:
+        # Restores end on a block boundary unless the stored prefix is exactly the prompt's.
+        assert warm.usage.cached_tokens >= BLOCK
+        assert warm.usage.cached_tokens % BLOCK == 0
+    assert warm.timings.restore_ms is not None
+
+
+def test_a_restored_state_from_another_model_falls_back_to_prefill(models: Models, tmp_path: Path) -> None:
+    """A structurally valid blob whose state belongs to another model must not be used."""
+    other_model = "smollm2-135m" if models.settings.model != "smollm2-135m" else "gemma3-270m"
+    other = Models(other_model, tmp_path)
+    try:
+        other.run(other.warm, BASE)
+        foreign_blob = next(iter(_blobs(other.cache)))
+        tokens = models.llama.tokenize(BASE.encode(), add_bos=True, special=True)[:-1]
+        models.cache.clear()
+        # Forge an entry in this model's namespace carrying the other model's state.
+        assert models.cache.save(tokens, foreign_blob)
+    finally:
+        other.saver.close()
+        other.llama.close()
+    cold = models.run(models.cold, BASE)
+    hits = models.cache.counters()["hits"]
+    warm = models.run(models.warm, BASE)
+    assert models.cache.counters()["hits"] == hits + 1  # the forged entry was found and tried
+    assert warm.result.text == cold.result.text
+    assert warm.usage.cached_tokens == 0
+
+
+def _blobs(cache: PrefixCache) -> Iterator[bytes]:
+    from shared.prefix_cache import decode_blob
+
+    store = cache._store
+    for entry in store.scan(f"{cache.fingerprint}/blobs/"):
+        data = store.get(entry.key)
+        assert data is not None
+        decoded = decode_blob(data, cache.fingerprint)
+        assert decoded is not None
+        yield decoded[2]
