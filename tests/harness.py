@@ -74,6 +74,11 @@ class Stack:
         _wait_for(lambda: client.scard("rq:workers") > before, what=f"{name} to register")
         return proc
 
+    def stop_process(self, name: str) -> None:
+        """SIGTERM and wait: a worker finishes its job and writes pending snapshots first."""
+        self.procs[name].terminate()
+        self.procs[name].wait(timeout=30)
+
     def kill(self, name: str) -> None:
         self.procs[name].send_signal(signal.SIGKILL)
         self.procs[name].wait()

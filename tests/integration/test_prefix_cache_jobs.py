@@ -1,0 +1,118 @@
+"""The prefix cache through the whole job path: separate worker processes sharing one directory."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.harness import Stack
+from tests.integration.test_job_path import events, submit
+
+DOC = " ".join(f"Invoice {i}: {i * 3 % 17} boxes of tea shipped to Lyon." for i in range(40))
+PROMPT = {"prompt": DOC + "\nTotal boxes:", "max_tokens": 16, "temperature": 0}
+CACHE = {"block_tokens": 64, "min_tokens": 16}
+
+
+def run(stack: Stack, body: dict[str, Any]) -> dict[str, Any]:
+    final = events(stack, submit(stack, body)["id"])[-1][2]
+    assert final["status"] == "finished", final
+    return final
+
+
+def cache_report(stack: Stack) -> dict[str, Any]:
+    report: dict[str, Any] = httpx.get(f"{stack.url}/v1/cache").json()
+    return report
+
+
+def blobs(stack: Stack) -> list[Path]:
+    return sorted(stack.settings.cache_dir.glob("*/blobs/*"))
+
+
+def restart_worker(stack: Stack, old: str, new: str) -> None:
+    """A fresh worker process: nothing in memory, only the shared directory."""
+    stack.stop_process(old)
+    stack.start_worker(new)
+
+
+def test_restarted_worker_restores_from_disk(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory(cache=CACHE)
+    cold = run(stack, PROMPT)
+    assert cold["usage"]["cached_tokens"] == 0
+    restart_worker(stack, "worker-1", "worker-2")  # a stopping worker writes pending snapshots
+    assert blobs(stack)
+    warm = run(stack, PROMPT)
+    assert warm["usage"]["cached_tokens"] == warm["usage"]["prompt_tokens"] - 1
+    assert warm["result"]["text"] == cold["result"]["text"]
+    assert warm["timings"]["restore_ms"] is not None
+    assert warm["timings"]["ttft_ms"] < cold["timings"]["ttft_ms"]
+    report = cache_report(stack)
+    assert report["entries"] >= 1 and report["bytes"] > 0
+    assert report["hits"] >= 1 and report["hit_tokens"] >= warm["usage"]["cached_tokens"]
+    assert report["bytes_written"] > 0 and report["bytes_read"] > 0
+
+
+def test_damaged_blobs_fall_back_to_prefill(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory(cache=CACHE)
+    cold = run(stack, PROMPT)
+    for n, damage in enumerate((_flip_a_byte, _truncate), start=1):
+        stack.stop_process(f"worker-{n}")
+        (blob,) = blobs(stack)
+        damage(blob)
+        stack.start_worker(f"worker-{n + 1}")
+        job = run(stack, PROMPT)
+        assert job["usage"]["cached_tokens"] == 0, damage.__name__
+        assert job["result"]["text"] == cold["result"]["text"], damage.__name__
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+
+
+def test_two_workers_racing_on_one_prefix_leave_one_good_blob(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    stack = stack_factory(workers=2, cache=CACHE)
+    results: list[dict[str, Any]] = []
+    threads = [threading.Thread(target=lambda: results.append(run(stack, PROMPT))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results[0]["result"]["text"] == results[1]["result"]["text"]
+    restart_worker(stack, "worker-1", "worker-3")
+    restart_worker(stack, "worker-2", "worker-4")
+    assert len(blobs(stack)) == 1
+    warm = run(stack, PROMPT)
+    assert warm["usage"]["cached_tokens"] == warm["usage"]["prompt_tokens"] - 1
+    assert warm["result"]["text"] == results[0]["result"]["text"]
+
+
+def test_budget_evicts_and_holds(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory(cache=CACHE)
+    run(stack, PROMPT)
+    restart_worker(stack, "worker-1", "worker-2")
+    one_blob = blobs(stack)[0].stat().st_size
+    budget = int(one_blob * 2.5)
+    stack.stop_process("worker-2")
+    stack.settings = stack.settings.model_copy(
+        update={"cache": stack.settings.cache.model_copy(update={"max_bytes": budget})}
+    )
+    stack.start_worker("worker-3")
+    for i in range(4):
+        run(stack, {**PROMPT, "prompt": f"Copy {i}. {PROMPT['prompt']}"})
+    restart_worker(stack, "worker-3", "worker-4")
+    on_disk = sum(p.stat().st_size for p in blobs(stack))
+    assert on_disk <= budget
+    assert 1 <= len(blobs(stack)) <= 2
+    assert cache_report(stack)["evictions"] >= 2
