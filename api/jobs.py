@@ -22,6 +22,9 @@ from shared.schemas import JobRequest, JobView
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 MAX_IDEMPOTENCY_KEY_CHARS = 255
+# Plain "\n" line ends: a "\r\n" split across two network reads makes some clients
+# (httpx-sse, seen here) end an event early and deliver it without its data.
+SSE_SEP = "\n"
 
 
 @router.post("", status_code=202, response_model=JobView)
@@ -56,7 +59,7 @@ async def job_events(
     state = state_of(request)
     await run_in_threadpool(state.store.get, job_id)  # 404 before the stream starts
     after = _parse_last_event_id(last_event_id)
-    return EventSourceResponse(_events(state, job_id, after), ping=15)
+    return EventSourceResponse(_events(state, job_id, after), ping=15, sep=SSE_SEP)
 
 
 def _parse_last_event_id(value: str | None) -> int:
@@ -95,5 +98,7 @@ async def _events(state: AppState, job_id: str, after: int) -> AsyncIterator[Ser
 async def _to_sse(state: AppState, job_id: str, event: JobEvent) -> ServerSentEvent:
     if event.final:
         view = await run_in_threadpool(state.store.get, job_id)
-        return ServerSentEvent(view.model_dump_json(), event=event.event, id=str(event.seq))
-    return ServerSentEvent(event.data, event="token", id=str(event.seq))
+        return ServerSentEvent(
+            view.model_dump_json(), event=event.event, id=str(event.seq), sep=SSE_SEP
+        )
+    return ServerSentEvent(event.data, event="token", id=str(event.seq), sep=SSE_SEP)

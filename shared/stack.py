@@ -54,8 +54,13 @@ def _children(settings: Settings, config: Path | None, redis_url: str, workers: 
     if config is not None:
         base += ["--config", str(config)]
     env = {**os.environ, "GRANARY_REDIS_URL": redis_url}
+    worker_env = dict(env)
+    if settings.n_threads is None:
+        # llama.cpp threads spin while they wait: workers sharing cores slow each other down
+        # many times over, so split the cores between them.
+        worker_env["GRANARY_N_THREADS"] = str(max(1, settings.threads // workers))
     kids = [_Child("api", [*base, "api"], env)]
-    kids += [_Child(f"worker-{i + 1}", [*base, "worker"], env) for i in range(workers)]
+    kids += [_Child(f"worker-{i + 1}", [*base, "worker"], worker_env) for i in range(workers)]
     kids.append(_Child("warmer", [*base, "warmer"], env))
     return kids
 

@@ -58,7 +58,10 @@ def settings_factory(redis_url: str, tmp_path: Path) -> Callable[..., Settings]:
             "cache": {"dir": tmp_path / "kv"},
             "worker": {"heartbeat_ttl_s": 3, "maintenance_interval_s": 1},
         }
-        values.update(overrides)
+        for name, value in overrides.items():
+            base = values.get(name)
+            # Nested settings merge, so `cache={...}` keeps the per-test cache directory.
+            values[name] = {**base, **value} if isinstance(base, dict) and isinstance(value, dict) else value
         return Settings(**values)  # type: ignore[arg-type]
 
     return make

@@ -33,6 +33,7 @@ def events(
         connect_sse(client, "GET", f"{stack.url}/v1/jobs/{job_id}/events", headers=headers) as src,
     ):
         for sse in src.iter_sse():
+            assert sse.data, (sse.event, sse.id, sse.retry)
             out.append((sse.event, sse.id, orjson.loads(sse.data)))
             if sse.event in ("done", "error"):
                 break
@@ -110,6 +111,9 @@ def test_late_subscriber_and_reconnect_miss_nothing(stack: Stack) -> None:
     tokens = [data for event, _, data in late if event == "token"]
     assert len(tokens) == 10
     assert "".join(t["text"] for t in tokens) == final["result"]["text"]
+    # "\r\n" split across reads made httpx-sse deliver events without data: only "\n".
+    raw = httpx.get(f"{stack.url}/v1/jobs/{job['id']}/events").content
+    assert b"\r" not in raw and raw.count(b"event: token\n") == 10
     resumed = events(stack, job["id"], last_event_id="6")
     assert [data["index"] for event, _, data in resumed if event == "token"] == [7, 8, 9]
     assert resumed[-1][0] == "done"
