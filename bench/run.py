@@ -9,7 +9,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from bench import job_path, machine
+from bench import job_path, machine, prefix_cache
 from shared.redis_server import private_redis
 from shared.settings import Settings
 from tests.harness import REPO, Stack, free_port
@@ -43,12 +43,28 @@ def _job_path_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     return job_path.HEADER + "\n".join(rows) + "\n"
 
 
+def _prefix_cache_sections(redis_url: str, log_dir: Path, quick: bool) -> list[str]:
+    settings = _settings(
+        redis_url,
+        "qwen2.5-0.5b",
+        n_ctx=4096,
+        cache={"dir": log_dir / "kv"},
+    )
+    sizes = {"~1500 tokens": 45, "~3000 tokens": 90}
+    rows = prefix_cache.ttft_rows(settings, log_dir, sizes, rounds=1 if quick else 2)
+    storage = prefix_cache.storage_section(
+        _settings(redis_url, "smollm2-135m"), n_docs=20 if quick else 100
+    )
+    return [prefix_cache.TTFT_HEADER + "\n".join(rows) + "\n", storage]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, private_redis(Path(tmp) / "redis") as redis_url:
         sections = [_job_path_section(redis_url, Path(tmp), args.quick)]
+        sections += _prefix_cache_sections(redis_url, Path(tmp), args.quick)
     text = (
         "# Benchmarks\n\nWritten by `make bench` (`bench/run.py`); every figure below comes from "
         "that run. Timings on shared 2-core machines are noisy: compare the ratios, which are "
