@@ -97,7 +97,8 @@ Decode tokens/s and time to first token (TTFT) for the same greedy generation: r
 worker → Redis stream + pub/sub → SSE to the client, timed at the client). Runs alternate raw/job;
 the ratio is the median of per-pair ratios. Target: the job path keeps ≥ 95% of raw decode speed.
 The job path's TTFT includes the HTTP round trip, queueing and the worker picking the job up;
-the raw TTFT is tokenize + prefill + first sample only.
+the raw TTFT is tokenize + prefill + first sample only. The disk prefix cache is off here (raw
+llama-cpp-python has none); the API, Redis and the SSE client share the same 2 cores.
 
 | model | threads | pairs | tokens | raw decode tok/s | job decode tok/s | job/raw | raw TTFT ms | job TTFT ms |
 |---|---|---|---|---|---|---|---|---|

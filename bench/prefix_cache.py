@@ -144,7 +144,7 @@ ratios are per round. Target: warm ≥ 100× faster than cold on a ~3000-token p
 
 def storage_section(settings: Settings, n_docs: int) -> str:
     """Bytes on disk for many documents sharing one system prompt (in-process engine)."""
-    system = "You extract fields from purchase orders. " + document(30, seed=7).split("\n", 1)[1]
+    system = "You extract fields from purchase orders. " + document(10, seed=7).split("\n", 1)[1]
     with tempfile.TemporaryDirectory() as tmp:
         local = settings.model_copy(
             update={"cache": settings.cache.model_copy(update={"dir": Path(tmp)})}

@@ -19,20 +19,21 @@ DATA_DIR = REPO / ".data" / "bench"
 
 
 def _settings(redis_url: str, model: str, **extra: object) -> Settings:
-    return Settings(
-        redis_url=redis_url,
-        data_dir=DATA_DIR,
-        model=model,
-        n_ctx=2048,
-        api={"port": free_port()},  # type: ignore[arg-type]
-        **extra,  # type: ignore[arg-type]
-    )
+    values: dict[str, object] = {
+        "redis_url": redis_url,
+        "data_dir": DATA_DIR,
+        "model": model,
+        "n_ctx": 2048,
+        "api": {"port": free_port()},
+    }
+    return Settings(**(values | extra))  # type: ignore[arg-type]
 
 
 def _job_path_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     rows = []
     for model, max_tokens in (("smollm2-135m", 200), ("qwen2.5-0.5b", 96)):
-        settings = _settings(redis_url, model)
+        # No disk cache: this compares per-token cost, and raw llama-cpp-python has none.
+        settings = _settings(redis_url, model, cache={"enabled": False})
         stack = Stack(settings, log_dir)
         try:
             stack.start_api()
