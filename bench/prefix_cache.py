@@ -118,8 +118,10 @@ def _ttft_row(label: str, samples: list[tuple[Run, Run, Run]]) -> str:
     restore_disk = med([d.job["timings"]["restore_ms"] for _, _, d in samples])
     prompt = samples[0][0].job["usage"]["prompt_tokens"]
     cached = samples[0][1].job["usage"]["cached_tokens"]
-    same = all(c.job["result"]["text"] == w.job["result"]["text"] == d.job["result"]["text"]
-               for c, w, d in samples)
+    same = all(
+        c.job["result"]["text"] == w.job["result"]["text"] == d.job["result"]["text"]
+        for c, w, d in samples
+    )
     verdict = "meets" if ratio_warm >= 100 else "MISSES"
     return (
         f"| {label} | {prompt} | {cached} | {cold * 1000:.0f} | {warm * 1000:.0f} | "

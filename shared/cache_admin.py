@@ -13,6 +13,7 @@ from shared.prefix_cache import PrefixCache, open_cache
 from shared.redis_server import answers, connect
 from shared.settings import Settings
 
+
 def run_cache_command(action: str, settings: Settings) -> int:
     cache = open_cache(settings)
     if action == "stats":

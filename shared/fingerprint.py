@@ -38,7 +38,11 @@ def file_digest(path: Path, sidecar_dir: Path) -> str:
 
 
 def model_fingerprint(path: Path, sidecar_dir: Path) -> str:
-    parts = [file_digest(path, sidecar_dir), KV_CACHE_TYPE, f"llama-cpp-python={version('llama-cpp-python')}"]
+    parts = [
+        file_digest(path, sidecar_dir),
+        KV_CACHE_TYPE,
+        f"llama-cpp-python={version('llama-cpp-python')}",
+    ]
     return hashlib.blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
 
 

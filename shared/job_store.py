@@ -51,7 +51,12 @@ class JobEvent:
 
 
 def _event_keys(job_id: str) -> tuple[str, str, str, str]:
-    return (keys.job(job_id), keys.job_events(job_id), keys.job_channel(job_id), keys.job_cancel(job_id))
+    return (
+        keys.job(job_id),
+        keys.job_events(job_id),
+        keys.job_channel(job_id),
+        keys.job_cancel(job_id),
+    )
 
 
 class JobStore:
@@ -114,7 +119,9 @@ class JobStore:
                 fields[name] = value.model_dump_json()
         if error is not None:
             fields["error"] = error
-        return self._scripts.finish(_event_keys(job_id), status.value, time.time(), self._ttl_s, fields)
+        return self._scripts.finish(
+            _event_keys(job_id), status.value, time.time(), self._ttl_s, fields
+        )
 
     def cancel(self, job_id: str) -> JobView:
         if self._scripts.cancel(_event_keys(job_id), time.time(), self._ttl_s) is None:

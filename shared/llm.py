@@ -78,7 +78,9 @@ def render_prompt(llama: Llama, request: JobRequest) -> RenderedPrompt:
     try:
         text = formatter(messages=messages).prompt  # type: ignore[arg-type]
     except Exception as exc:  # jinja raises many types; the template rejected these messages
-        raise InvalidRequest(f"chat template rejected the messages: {exc}", field="messages") from exc
+        raise InvalidRequest(
+            f"chat template rejected the messages: {exc}", field="messages"
+        ) from exc
     # Templates that write the BOS token themselves must not get a second one.
     add_bos = not (bos and text.startswith(bos))
     return RenderedPrompt(text=text, add_bos=add_bos)
@@ -86,4 +88,3 @@ def render_prompt(llama: Llama, request: JobRequest) -> RenderedPrompt:
 
 def tokenize(llama: Llama, prompt: RenderedPrompt) -> list[int]:
     return llama.tokenize(prompt.text.encode("utf-8"), add_bos=prompt.add_bos, special=True)
-

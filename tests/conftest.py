@@ -61,7 +61,9 @@ def settings_factory(redis_url: str, tmp_path: Path) -> Callable[..., Settings]:
         for name, value in overrides.items():
             base = values.get(name)
             # Nested settings merge, so `cache={...}` keeps the per-test cache directory.
-            values[name] = {**base, **value} if isinstance(base, dict) and isinstance(value, dict) else value
+            values[name] = (
+                {**base, **value} if isinstance(base, dict) and isinstance(value, dict) else value
+            )
         return Settings(**values)  # type: ignore[arg-type]
 
     return make

@@ -6,8 +6,8 @@ import logging
 
 from shared.cache_counters import CounterPublisher
 from shared.job_store import JobStore
-from shared.prefix_cache import open_cache
 from shared.llm import load_llama
+from shared.prefix_cache import open_cache
 from shared.redis_server import connect
 from shared.settings import Settings
 from worker import tasks
@@ -30,7 +30,9 @@ def build_engine(settings: Settings) -> Engine:
 def run_worker(settings: Settings) -> None:
     redis = connect(settings.redis_url)
     engine = build_engine(settings)
-    log.info("model %s loaded (%d threads, n_ctx %d)", settings.model, settings.threads, engine.n_ctx)
+    log.info(
+        "model %s loaded (%d threads, n_ctx %d)", settings.model, settings.threads, engine.n_ctx
+    )
     store = JobStore(redis, settings.jobs.result_ttl_s)
     counters = CounterPublisher(redis, engine.cache) if engine.cache is not None else None
     tasks.bind(tasks.Runtime(engine, store, counters))

@@ -57,7 +57,9 @@ def test_wrong_fields_are_named(api: Stack, body: dict[str, Any], field: str) ->
     assert_error(post(api, body), 400, field)
 
 
-@pytest.mark.parametrize("body", [{}, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}])
+@pytest.mark.parametrize(
+    "body", [{}, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}]
+)
 def test_exactly_one_of_prompt_or_messages(api: Stack, body: dict[str, Any]) -> None:
     message = assert_error(post(api, body), 400, None)
     assert "prompt" in message and "messages" in message

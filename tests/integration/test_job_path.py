@@ -40,7 +40,9 @@ def events(
     return out
 
 
-def wait_status(stack: Stack, job_id: str, statuses: set[str], timeout_s: float = 60) -> dict[str, Any]:
+def wait_status(
+    stack: Stack, job_id: str, statuses: set[str], timeout_s: float = 60
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while True:
         job: dict[str, Any] = httpx.get(f"{stack.url}/v1/jobs/{job_id}").json()
@@ -56,10 +58,8 @@ def first_tokens(stack: Stack, job_id: str, count: int) -> None:
         httpx.Client(timeout=60) as client,
         connect_sse(client, "GET", f"{stack.url}/v1/jobs/{job_id}/events") as src,
     ):
-        seen = 0
-        for sse in src.iter_sse():
+        for seen, sse in enumerate(src.iter_sse(), start=1):
             assert sse.event == "token", sse.data
-            seen += 1
             if seen >= count:
                 return
 

@@ -54,7 +54,9 @@ class Models:
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"])
-def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Models]:
+def models(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Models]:
     m = Models(request.param, tmp_path_factory.mktemp("kv"))
     yield m
     m.saver.close()
@@ -80,7 +82,9 @@ def test_warm_output_equals_cold_output(models: Models, case: str) -> None:
     assert warm.timings.restore_ms is not None
 
 
-def test_a_restored_state_from_another_model_falls_back_to_prefill(models: Models, tmp_path: Path) -> None:
+def test_a_restored_state_from_another_model_falls_back_to_prefill(
+    models: Models, tmp_path: Path
+) -> None:
     """A structurally valid blob whose state belongs to another model must not be used."""
     other_model = "smollm2-135m" if models.settings.model != "smollm2-135m" else "gemma3-270m"
     other = Models(other_model, tmp_path)

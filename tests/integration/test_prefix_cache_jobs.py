@@ -86,7 +86,9 @@ def test_two_workers_racing_on_one_prefix_leave_one_good_blob(
     # One thread each: two llama.cpp workers spinning on the same two cores crawl.
     stack = stack_factory(workers=2, cache=CACHE, n_threads=1)
     results: list[dict[str, Any]] = []
-    threads = [threading.Thread(target=lambda: results.append(run(stack, PROMPT))) for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(run(stack, PROMPT))) for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:

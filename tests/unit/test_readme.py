@@ -22,7 +22,11 @@ def _keys(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, objec
 
 
 def test_every_setting_is_documented() -> None:
-    rows = {line.split("|")[1].strip(" `"): line for line in README.splitlines() if line.startswith("| `")}
+    rows = {
+        line.split("|")[1].strip(" `"): line
+        for line in README.splitlines()
+        if line.startswith("| `")
+    }
     for key, default in _keys(Settings):
         assert key in rows, f"README config table lacks {key}"
         env = "GRANARY_" + key.upper().replace(".", "__")
