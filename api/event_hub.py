@@ -26,7 +26,7 @@ _HUB_CHANNEL = f"{keys.PREFIX}:api:hub"
 class EventHub:
     def __init__(self, redis: Redis) -> None:
         self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
-        self._listeners: dict[str, set[asyncio.Queue[JobEvent]]] = defaultdict(set)
+        self._listeners: dict[str, set[asyncio.Queue[list[JobEvent]]]] = defaultdict(set)
         self._reader: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -41,8 +41,9 @@ class EventHub:
         await self._pubsub.aclose()
 
     @contextlib.asynccontextmanager
-    async def listen(self, channel: str) -> AsyncIterator[asyncio.Queue[JobEvent]]:
-        queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+    async def listen(self, channel: str) -> AsyncIterator[asyncio.Queue[list[JobEvent]]]:
+        """A queue receiving the events of each message published on `channel`."""
+        queue: asyncio.Queue[list[JobEvent]] = asyncio.Queue()
         first = not self._listeners[channel]
         self._listeners[channel].add(queue)
         try:
@@ -69,6 +70,6 @@ class EventHub:
             if message is None or message["type"] != "message":
                 continue
             channel = message["channel"].decode()
-            event = JobEvent.from_message(message["data"])
+            events = JobEvent.from_message(message["data"])
             for queue in self._listeners.get(channel, ()):
-                queue.put_nowait(event)
+                queue.put_nowait(events)

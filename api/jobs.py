@@ -71,34 +71,33 @@ def _parse_last_event_id(value: str | None) -> int:
         raise InvalidRequest("Last-Event-ID must be an integer", field="Last-Event-ID") from None
 
 
-async def _events(state: AppState, job_id: str, after: int) -> AsyncIterator[ServerSentEvent]:
+async def _events(state: AppState, job_id: str, after: int) -> AsyncIterator[bytes]:
     """The stored backlog past `after`, then live events, each once, up to the final one.
 
-    Subscribing before reading the backlog means no event can fall between the two.
+    Subscribing before reading the backlog means no event can fall between the two. Events
+    that arrive together (a worker publishes its tokens in batches) are sent in one write.
     """
     async with state.hub.listen(keys.job_channel(job_id)) as live:
-        backlog = await state.aredis.xrange(keys.job_events(job_id))
-        for _, fields in backlog:
-            event = JobEvent.from_fields(fields)
-            if event.seq > after or event.final:
-                yield await _to_sse(state, job_id, event)
-                after = event.seq
-                if event.final:
-                    return
+        entries = await state.aredis.xrange(keys.job_events(job_id))
+        batch = [JobEvent.from_fields(fields) for _, fields in entries]
         while True:
-            event = await live.get()
-            if event.seq <= after and not event.final:
-                continue
-            yield await _to_sse(state, job_id, event)
-            after = event.seq
-            if event.final:
-                return
+            fresh = [e for e in batch if e.seq > after or e.final]
+            if fresh:
+                final = next((i for i, e in enumerate(fresh) if e.final), None)
+                fresh = fresh if final is None else fresh[: final + 1]
+                yield await _encode(state, job_id, fresh)
+                if final is not None:
+                    return
+                after = fresh[-1].seq
+            batch = await live.get()
 
 
-async def _to_sse(state: AppState, job_id: str, event: JobEvent) -> ServerSentEvent:
-    if event.final:
-        view = await run_in_threadpool(state.store.get, job_id)
-        return ServerSentEvent(
-            view.model_dump_json(), event=event.event, id=str(event.seq), sep=SSE_SEP
-        )
-    return ServerSentEvent(event.data, event="token", id=str(event.seq), sep=SSE_SEP)
+async def _encode(state: AppState, job_id: str, events: list[JobEvent]) -> bytes:
+    chunks = []
+    for event in events:
+        data = event.data
+        if event.final:
+            data = (await run_in_threadpool(state.store.get, job_id)).model_dump_json()
+        sse = ServerSentEvent(data, event=event.event, id=str(event.seq), sep=SSE_SEP)
+        chunks.append(sse.encode())
+    return b"".join(chunks)

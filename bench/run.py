@@ -62,10 +62,19 @@ def _prefix_cache_sections(redis_url: str, log_dir: Path, quick: bool) -> list[s
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
+    parser.add_argument(
+        "--only", choices=["job_path", "prefix_cache"], help="one suite, printed, not written"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, private_redis(Path(tmp) / "redis") as redis_url:
-        sections = [_job_path_section(redis_url, Path(tmp), args.quick)]
-        sections += _prefix_cache_sections(redis_url, Path(tmp), args.quick)
+        sections = []
+        if args.only in (None, "job_path"):
+            sections.append(_job_path_section(redis_url, Path(tmp), args.quick))
+        if args.only in (None, "prefix_cache"):
+            sections += _prefix_cache_sections(redis_url, Path(tmp), args.quick)
+    if args.only:
+        print("\n".join(sections))
+        return
     text = (
         "# Benchmarks\n\nWritten by `make bench` (`bench/run.py`); every figure below comes from "
         "that run. Timings on shared 2-core machines are noisy: compare the ratios, which are "

@@ -41,9 +41,13 @@ class JobEvent:
         return cls(int(fields[b"seq"]), fields[b"event"].decode(), fields[b"data"].decode())
 
     @classmethod
-    def from_message(cls, payload: bytes) -> JobEvent:
-        seq, event, data = payload.decode().split("|", 2)
-        return cls(int(seq), event, data)
+    def from_message(cls, payload: bytes) -> list[JobEvent]:
+        """One pub/sub message carries one or more events, a "seq|event|data" line each."""
+        events = []
+        for line in payload.decode().split("\n"):
+            seq, event, data = line.split("|", 2)
+            events.append(cls(int(seq), event, data))
+        return events
 
     @property
     def final(self) -> bool:
@@ -98,10 +102,10 @@ class JobStore:
         """Mark started; returns the attempt number, or 0 if the job must not run."""
         return self._scripts.start((keys.job(job_id), keys.job_cancel(job_id)), time.time())
 
-    def emit_token(self, job_id: str, event: TokenEvent) -> bool:
-        """Publish a token; returns True when the job has been cancelled meanwhile."""
-        data = event.model_dump_json().encode()
-        return self._scripts.emit_token(_event_keys(job_id), event.index, data)
+    def emit_tokens(self, job_id: str, events: list[TokenEvent]) -> bool:
+        """Publish consecutive tokens; returns True when the job has been cancelled meanwhile."""
+        data = [event.model_dump_json().encode() for event in events]
+        return self._scripts.emit_tokens(_event_keys(job_id), events[0].index, data)
 
     def finish(
         self,

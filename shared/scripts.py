@@ -21,15 +21,25 @@ redis.call('HSET', KEYS[1], 'status', 'started', 'started_at', ARGV[1])
 return redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 """
 
-# KEYS: job, events stream, channel, cancel flag. ARGV: index, event json.
+# KEYS: job, events stream, channel, cancel flag. ARGV: first index, then one event json per
+# token. Tokens already published (by an earlier attempt) are skipped; the rest go to the stream
+# and, as one message of "seq|token|data" lines, to the channel.
 # Returns 1 when the job was cancelled (the worker stops), else 0.
-_EMIT_TOKEN = """
+_EMIT_TOKENS = """
 local emitted = tonumber(redis.call('HGET', KEYS[1], 'emitted') or '0')
-local index = tonumber(ARGV[1])
-if index >= emitted then
-  redis.call('XADD', KEYS[2], '*', 'seq', ARGV[1], 'event', 'token', 'data', ARGV[2])
-  redis.call('PUBLISH', KEYS[3], ARGV[1] .. '|token|' .. ARGV[2])
-  redis.call('HSET', KEYS[1], 'emitted', index + 1)
+local first = tonumber(ARGV[1])
+local lines = {}
+for i = 2, #ARGV do
+  local index = first + i - 2
+  if index >= emitted then
+    redis.call('XADD', KEYS[2], '*', 'seq', index, 'event', 'token', 'data', ARGV[i])
+    lines[#lines + 1] = index .. '|token|' .. ARGV[i]
+    emitted = index + 1
+  end
+end
+if #lines > 0 then
+  redis.call('PUBLISH', KEYS[3], table.concat(lines, '\\n'))
+  redis.call('HSET', KEYS[1], 'emitted', emitted)
 end
 return redis.call('EXISTS', KEYS[4])
 """
@@ -84,15 +94,15 @@ class Scripts:
 
     def __init__(self, redis: Redis) -> None:
         self._start = redis.register_script(_START)
-        self._emit_token = redis.register_script(_EMIT_TOKEN)
+        self._emit_tokens = redis.register_script(_EMIT_TOKENS)
         self._finish = redis.register_script(_FINISH)
         self._cancel = redis.register_script(_CANCEL)
 
     def start(self, keys: tuple[str, str], now_s: float) -> int:
         return int(self._start(keys=list(keys), args=[now_s]))
 
-    def emit_token(self, keys: tuple[str, str, str, str], index: int, data: bytes) -> bool:
-        return bool(self._emit_token(keys=list(keys), args=[index, data]))
+    def emit_tokens(self, keys: tuple[str, str, str, str], first: int, data: list[bytes]) -> bool:
+        return bool(self._emit_tokens(keys=list(keys), args=[first, *data]))
 
     def finish(
         self,

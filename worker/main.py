@@ -35,7 +35,8 @@ def run_worker(settings: Settings) -> None:
     )
     store = JobStore(redis, settings.jobs.result_ttl_s)
     counters = CounterPublisher(redis, engine.cache) if engine.cache is not None else None
-    tasks.bind(tasks.Runtime(engine, store, counters))
+    interval_s = settings.worker.stream_interval_ms / 1000
+    tasks.bind(tasks.Runtime(engine, store, interval_s, counters))
     try:
         GranaryWorker(redis, settings.worker).work(logging_level=settings.log_level)
     finally:

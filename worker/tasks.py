@@ -13,8 +13,9 @@ from rq.job import Job
 
 from shared.cache_counters import CounterPublisher
 from shared.job_store import JobStore
-from shared.schemas import JobStatus, Timings, TokenEvent
+from shared.schemas import JobStatus, Timings
 from worker.engine import Engine
+from worker.token_publisher import TokenPublisher
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +24,15 @@ class Runtime:
     """What a worker process holds for its whole life: the model and the job store."""
 
     def __init__(
-        self, engine: Engine, store: JobStore, counters: CounterPublisher | None = None
+        self,
+        engine: Engine,
+        store: JobStore,
+        stream_interval_s: float,
+        counters: CounterPublisher | None = None,
     ) -> None:
         self.engine = engine
         self.store = store
+        self._stream_interval_s = stream_interval_s
         self._counters = counters
 
     def run(self, job_id: str) -> None:
@@ -39,9 +45,8 @@ class Runtime:
         queued_ms = ((view.started_at or view.created_at) - view.created_at) * 1000
         try:
             order = store.order(job_id)
-            generation = self.engine.generate(
-                order, lambda i, text: store.emit_token(job_id, TokenEvent(index=i, text=text))
-            )
+            with TokenPublisher(store, job_id, self._stream_interval_s) as publisher:
+                generation = self.engine.generate(order, publisher.put)
         except Exception as exc:  # a job's failure must never take the worker down
             log.exception("job %s failed", job_id)
             store.finish(job_id, JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
