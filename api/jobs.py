@@ -78,8 +78,8 @@ async def _events(state: AppState, job_id: str, after: int) -> AsyncIterator[byt
     that arrive together (a worker publishes its tokens in batches) are sent in one write.
     """
     async with state.hub.listen(keys.job_channel(job_id)) as live:
-        entries = await state.aredis.xrange(keys.job_events(job_id))
-        batch = [JobEvent.from_fields(fields) for _, fields in entries]
+        entries = await state.aredis.xrange(keys.job_events(job_id)) or []
+        batch = [JobEvent.from_fields(fields or {}) for _, fields in entries]
         while True:
             fresh = [e for e in batch if e.seq > after or e.final]
             if fresh:

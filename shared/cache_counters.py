@@ -35,7 +35,7 @@ class CounterPublisher:
 
 
 def read_counters(redis: Redis, fingerprint: str) -> dict[str, int]:
-    raw = redis.hgetall(keys.cache_counters(fingerprint))
+    raw: dict[bytes, bytes] = redis.hgetall(keys.cache_counters(fingerprint))  # type: ignore[assignment]
     return {k.decode(): int(v) for k, v in raw.items()}
 
 

@@ -7,6 +7,7 @@ source of truth for status. Transitions are Lua scripts (`shared.scripts`), so t
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,8 @@ class JobEvent:
     data: str
 
     @classmethod
-    def from_fields(cls, fields: dict[bytes, bytes]) -> JobEvent:
+    def from_fields(cls, fields: Mapping[Any, Any]) -> JobEvent:
+        """From a stream entry (the client does not decode responses: keys are bytes)."""
         return cls(int(fields[b"seq"]), fields[b"event"].decode(), fields[b"data"].decode())
 
     @classmethod
@@ -70,7 +72,7 @@ class JobStore:
         self._scripts = Scripts(redis)
 
     def create(self, job_id: str, queue: str, order: WorkOrder) -> JobView:
-        record = {
+        record: dict[str, Any] = {
             "id": job_id,
             "status": JobStatus.QUEUED.value,
             "queue": queue,
@@ -79,11 +81,12 @@ class JobStore:
             "emitted": 0,
             "order": order.model_dump_json(),
         }
-        self._redis.hset(keys.job(job_id), mapping=record)
+        # redis-py types `mapping` with an invariant key union no plain dict matches.
+        self._redis.hset(keys.job(job_id), mapping=record)  # type: ignore[arg-type]
         return self._view(job_id, record)
 
     def get(self, job_id: str) -> JobView:
-        raw = self._redis.hgetall(keys.job(job_id))
+        raw: dict[bytes, bytes] = self._redis.hgetall(keys.job(job_id))  # type: ignore[assignment]
         if not raw:
             raise JobNotFound(f"no job with id {job_id!r}")
         record = {k.decode(): v.decode() for k, v in raw.items()}
@@ -136,7 +139,9 @@ class JobStore:
         return bool(self._redis.exists(keys.job_cancel(job_id)))
 
     def events(self, job_id: str, after_seq: int = -1) -> list[JobEvent]:
-        entries = self._redis.xrange(keys.job_events(job_id))
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = self._redis.xrange(  # type: ignore[assignment]
+            keys.job_events(job_id)
+        )
         events = [JobEvent.from_fields(fields) for _, fields in entries]
         return [e for e in events if e.seq > after_seq]
 

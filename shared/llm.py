@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
 from llama_cpp import Llama
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -43,7 +44,7 @@ def load_llama(settings: Settings, *, vocab_only: bool = False) -> Llama:
 
 
 @contextlib.contextmanager
-def _quiet_native_logs() -> object:
+def _quiet_native_logs() -> Iterator[None]:
     """llama.cpp prints its load log to fd 2 even with verbose=False; keep it for debug only."""
     if log.isEnabledFor(logging.DEBUG):
         yield None

@@ -99,9 +99,12 @@ class Timings(BaseModel):
     decode_tokens_per_s: float | None = None
 
 
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
 class JobResult(BaseModel):
     text: str
-    finish_reason: Literal["stop", "length", "cancelled"]
+    finish_reason: FinishReason
 
 
 class JobView(BaseModel):

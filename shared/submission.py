@@ -86,7 +86,7 @@ class Submitter:
         ttl_s = self._settings.api.idempotency_ttl_s
         if self._redis.set(redis_key, job_id, nx=True, ex=ttl_s):
             return None
-        existing = self._redis.get(redis_key)
+        existing: bytes | None = self._redis.get(redis_key)  # type: ignore[assignment]
         return existing.decode() if existing is not None else None
 
     def _enqueue(self, job_id: str, queue_name: str) -> None:

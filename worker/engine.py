@@ -16,7 +16,7 @@ from llama_cpp import Llama
 
 from shared.llm import tokenize
 from shared.prefix_cache import PrefixCache, restorable_tokens
-from shared.schemas import JobResult, Timings, Usage, WorkOrder
+from shared.schemas import FinishReason, JobResult, Timings, Usage, WorkOrder
 from worker import kv_state
 from worker.prefix_saver import PrefixSaver
 from worker.text_stream import TextStream
@@ -213,7 +213,7 @@ class _Decoded:
     count: int = 0
     ticks: int = 0
     text: str = ""
-    finish_reason: str = "length"
+    finish_reason: FinishReason = "length"
     first_at: float | None = None
     last_at: float | None = None
 
