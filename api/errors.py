@@ -12,7 +12,7 @@ from typing import Any
 import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import ORJSONResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from shared.errors import GranaryError
@@ -29,32 +29,38 @@ def _field(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-async def _granary_error(_: Request, exc: Exception) -> ORJSONResponse:
+async def _granary_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, GranaryError)
-    return ORJSONResponse(error_body(exc.error_type, exc.message, exc.field), exc.status_code)
+    return JSONResponse(error_body(exc.error_type, exc.message, exc.field), exc.status_code)
 
 
-async def _validation_error(_: Request, exc: Exception) -> ORJSONResponse:
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0]
     if first.get("type") == "json_invalid":
-        return ORJSONResponse(error_body("invalid_request", "request body is not valid JSON"), 400)
+        return JSONResponse(error_body("invalid_request", "request body is not valid JSON"), 400)
     field = _field(tuple(first.get("loc", ())))
     message = str(first.get("msg", "invalid value"))
     if field:
         message = f"{field}: {message}"
-    return ORJSONResponse(error_body("invalid_request", message, field), 400)
+    return JSONResponse(error_body("invalid_request", message, field), 400)
 
 
-async def _http_error(_: Request, exc: Exception) -> ORJSONResponse:
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     error_type = "not_found" if exc.status_code == 404 else "http_error"
-    return ORJSONResponse(error_body(error_type, str(exc.detail)), exc.status_code)
+    return JSONResponse(error_body(error_type, str(exc.detail)), exc.status_code)
 
 
-async def _redis_down(_: Request, exc: Exception) -> ORJSONResponse:
+async def _redis_down(_: Request, exc: Exception) -> JSONResponse:
     log.error("Redis unavailable: %s", exc)
-    return ORJSONResponse(error_body("unavailable", "the queue (Redis) is unavailable"), 503)
+    return JSONResponse(error_body("unavailable", "the queue (Redis) is unavailable"), 503)
+
+
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    # Every known failure has its own type above; reaching here is a bug, logged in full.
+    log.exception("unhandled error", exc_info=exc)
+    return JSONResponse(error_body("internal_error", "internal error"), 500)
 
 
 def install(app: FastAPI) -> None:
@@ -63,3 +69,4 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(redis.ConnectionError, _redis_down)
     app.add_exception_handler(redis.TimeoutError, _redis_down)
+    app.add_exception_handler(Exception, _unexpected)

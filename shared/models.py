@@ -88,7 +88,9 @@ def resolve_model(model: str, data_dir: Path) -> Path:
     """The GGUF file for `model` (a known name or a path); raises ModelUnavailable with a fix."""
     named = NAMED_MODELS.get(model)
     if named is None:
-        return _check_gguf(Path(model).expanduser(), "set GRANARY_MODEL to a readable GGUF file")
+        known = ", ".join(NAMED_MODELS)
+        fix = f"set GRANARY_MODEL to a readable GGUF file or one of: {known}"
+        return _check_gguf(Path(model).expanduser(), fix)
     try:
         path = named.locate(data_dir / "models")
     except (ImportError, FileNotFoundError, ValueError) as exc:

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 8
+
+
+def _encodable(value: str) -> str:
+    # JSON may carry lone UTF-16 surrogates ("\ud800"); they have no UTF-8 form to tokenize.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text contains an unpaired surrogate (not valid Unicode)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class JobStatus(StrEnum):
@@ -26,17 +38,17 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text
 
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int | None = Field(None, gt=0)
+    max_tokens: int | None = Field(None, gt=0, le=1_000_000)
     temperature: float = Field(0.8, ge=0.0, le=2.0)
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**32)
-    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
+    stop: list[Text] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -56,7 +68,7 @@ class SamplingParams(BaseModel):
 class JobRequest(SamplingParams):
     """`POST /v1/jobs`: a raw `prompt` or chat `messages`, exactly one of them."""
 
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[Message] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")

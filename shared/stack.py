@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from shared.models import resolve_model
 from shared.redis_server import ensure_redis
 from shared.settings import Settings
 
@@ -86,6 +87,8 @@ def run_stack(settings: Settings, config: Path | None, workers: int) -> int:
         nonlocal stopping
         stopping = True
 
+    # A missing model is one clear message here, not every child failing and restarting.
+    resolve_model(settings.model, settings.data_dir)
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     with ensure_redis(settings.redis_url, settings.data_dir / "run") as redis_url:

@@ -14,7 +14,7 @@ from rq import Callback, Queue, Retry
 
 from shared import keys
 from shared.codec import JsonSerializer
-from shared.errors import ContextOverflow
+from shared.errors import ContextOverflow, InvalidRequest
 from shared.job_store import JobStore
 from shared.llm import render_prompt, tokenize
 from shared.schemas import JobRequest, JobView, WorkOrder
@@ -36,6 +36,8 @@ def work_order_for(
     prompt = render_prompt(tokenizer, request)
     n_prompt = len(tokenize(tokenizer, prompt))
     field = "prompt" if request.prompt is not None else "messages"
+    if n_prompt == 0:
+        raise InvalidRequest(f"{field} is empty: there is nothing to generate from", field=field)
     if n_prompt >= n_ctx:
         raise ContextOverflow(
             f"{field} is {n_prompt} tokens; the context window is {n_ctx} tokens "

@@ -65,6 +65,14 @@ def test_exactly_one_of_prompt_or_messages(api: Stack, body: dict[str, Any]) -> 
     assert "prompt" in message and "messages" in message
 
 
+def test_text_that_cannot_be_tokenized(api: Stack) -> None:
+    assert_error(post(api, content=b'{"prompt": "\\ud800 lone surrogate"}'), 400, "prompt")
+    body = b'{"messages": [{"role": "user", "content": "\\udfff"}]}'
+    assert_error(post(api, content=body), 400, "messages.0.content")
+    assert_error(post(api, {"prompt": ""}), 400, "prompt")
+    assert_error(post(api, {"prompt": "hi", "max_tokens": 10**20}), 400, "max_tokens")
+
+
 @pytest.mark.parametrize("content", [b"{not json", b"", b"[1, 2]", b'"prompt"'])
 def test_malformed_json(api: Stack, content: bytes) -> None:
     response = post(api, content=content)
