@@ -7,10 +7,6 @@ from typing import Any
 import orjson
 
 
-def dumps(obj: Any) -> bytes:
-    return orjson.dumps(obj)
-
-
 def loads(data: bytes | str) -> Any:
     return orjson.loads(data)
 

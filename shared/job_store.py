@@ -135,9 +135,6 @@ class JobStore:
             raise JobNotFound(f"no job with id {job_id!r}")
         return self.get(job_id)
 
-    def cancel_requested(self, job_id: str) -> bool:
-        return bool(self._redis.exists(keys.job_cancel(job_id)))
-
     def events(self, job_id: str, after_seq: int = -1) -> list[JobEvent]:
         entries: list[tuple[bytes, dict[bytes, bytes]]] = self._redis.xrange(  # type: ignore[assignment]
             keys.job_events(job_id)

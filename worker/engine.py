@@ -1,14 +1,15 @@
-"""The resident model: prefill what is not already in memory, then decode token by token.
+"""The resident model: restore what was computed before, prefill the rest, decode.
 
-One Engine per worker process, kept for the process's life. Between jobs the context keeps the
-last prompt's KV cells, so a job whose prompt shares a prefix with the previous one re-uses them.
+One Engine per worker process, kept for the process's life. A prompt's prefix comes from the
+context's own memory (the previous job's cells) or from the shared on-disk prefix cache,
+whichever holds more; only the rest is prefilled, and the new prefix is saved in the background.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import llama_cpp
@@ -16,6 +17,7 @@ from llama_cpp import Llama
 
 from shared.llm import tokenize
 from shared.prefix_cache import PrefixCache, restorable_tokens
+from shared.prefix_keys import common_prefix_len
 from shared.schemas import FinishReason, JobResult, Timings, Usage, WorkOrder
 from worker import kv_state
 from worker.prefix_saver import PrefixSaver
@@ -32,15 +34,6 @@ class Generation:
     result: JobResult
     usage: Usage
     timings: Timings
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Engine:
@@ -108,7 +101,7 @@ class Engine:
         ones were decoded one at a time), under the same rule as restoring from disk.
         """
         llama = self.llama
-        common = common_prefix(llama._input_ids[: self._prefilled].tolist(), tokens)
+        common = common_prefix_len(llama._input_ids[: self._prefilled].tolist(), tokens)
         kept = restorable_tokens(
             common, self._prefilled, len(tokens) - 1, self.chunk_tokens, self.truncatable
         )
