@@ -9,7 +9,7 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis as AsyncRedis
 
-from api import cache, errors, health, jobs
+from api import cache, errors, health, jobs, metrics, openai_api
 from api.event_hub import EventHub
 from api.state import AppState
 from shared.job_store import JobStore
@@ -52,6 +52,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(cache.router)
+    app.include_router(openai_api.router)
+    app.include_router(metrics.router)
     return app
 
 

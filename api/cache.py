@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 
+from api.auth import authenticate
 from api.state import state_of
 from shared.cache_counters import cache_report
 from shared.schemas import CacheReport
 
-router = APIRouter(prefix="/v1/cache", tags=["cache"])
+router = APIRouter(prefix="/v1/cache", tags=["cache"], dependencies=[Depends(authenticate)])
 
 
 @router.get("", response_model=CacheReport)

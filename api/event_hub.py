@@ -25,6 +25,7 @@ _HUB_CHANNEL = f"{keys.PREFIX}:api:hub"
 
 class EventHub:
     def __init__(self, redis: Redis) -> None:
+        self._redis = redis
         self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
         self._listeners: dict[str, set[asyncio.Queue[list[JobEvent]]]] = defaultdict(set)
         self._reader: asyncio.Task[None] | None = None
@@ -56,6 +57,26 @@ class EventHub:
             if not listeners:
                 del self._listeners[channel]
                 await self._pubsub.unsubscribe(channel)
+
+    async def job_events(self, job_id: str, after: int = -1) -> AsyncIterator[list[JobEvent]]:
+        """A job's events past `after`, in batches, each once, up to and including the final one.
+
+        The stored backlog comes first, then live ones. Subscribing before reading the backlog
+        means no event can fall between the two; duplicates are dropped by sequence number.
+        """
+        async with self.listen(keys.job_channel(job_id)) as live:
+            entries = await self._redis.xrange(keys.job_events(job_id)) or []
+            batch = [JobEvent.from_fields(fields or {}) for _, fields in entries]
+            while True:
+                fresh = [e for e in batch if e.seq > after or e.final]
+                final = next((i for i, e in enumerate(fresh) if e.final), None)
+                if final is not None:
+                    yield fresh[: final + 1]
+                    return
+                if fresh:
+                    yield fresh
+                    after = fresh[-1].seq
+                batch = await live.get()
 
     async def _read(self) -> None:
         while True:

@@ -9,17 +9,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.concurrency import run_in_threadpool
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from api.auth import authenticate, owner_of
 from api.state import AppState, state_of
-from shared import keys
 from shared.errors import InvalidRequest
 from shared.job_store import JobEvent
 from shared.schemas import JobRequest, JobView
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authenticate)])
 
 MAX_IDEMPOTENCY_KEY_CHARS = 255
 # Plain "\n" line ends: a "\r\n" split across two network reads makes some clients
@@ -36,18 +36,18 @@ def create_job(
     if idempotency_key is not None and not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
         raise InvalidRequest("Idempotency-Key must be 1-255 characters", field="Idempotency-Key")
     return state_of(request).submitter.submit(
-        body, queue_name="interactive", idempotency_key=idempotency_key
+        body, queue_name="interactive", idempotency_key=idempotency_key, owner=owner_of(request)
     )
 
 
 @router.get("/{job_id}", response_model=JobView)
 def get_job(job_id: str, request: Request) -> JobView:
-    return state_of(request).store.get(job_id)
+    return state_of(request).store.get_owned(job_id, owner_of(request))
 
 
 @router.delete("/{job_id}", response_model=JobView)
 def cancel_job(job_id: str, request: Request) -> JobView:
-    return state_of(request).store.cancel(job_id)
+    return state_of(request).submitter.cancel(job_id, owner_of(request))
 
 
 @router.get("/{job_id}/events")
@@ -57,7 +57,8 @@ async def job_events(
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> EventSourceResponse:
     state = state_of(request)
-    await run_in_threadpool(state.store.get, job_id)  # 404 before the stream starts
+    # 404 (unknown, or another key's job) before the stream starts.
+    await run_in_threadpool(state.store.get_owned, job_id, owner_of(request))
     after = _parse_last_event_id(last_event_id)
     return EventSourceResponse(_events(state, job_id, after), ping=15, sep=SSE_SEP)
 
@@ -72,24 +73,9 @@ def _parse_last_event_id(value: str | None) -> int:
 
 
 async def _events(state: AppState, job_id: str, after: int) -> AsyncIterator[bytes]:
-    """The stored backlog past `after`, then live events, each once, up to the final one.
-
-    Subscribing before reading the backlog means no event can fall between the two. Events
-    that arrive together (a worker publishes its tokens in batches) are sent in one write.
-    """
-    async with state.hub.listen(keys.job_channel(job_id)) as live:
-        entries = await state.aredis.xrange(keys.job_events(job_id)) or []
-        batch = [JobEvent.from_fields(fields or {}) for _, fields in entries]
-        while True:
-            fresh = [e for e in batch if e.seq > after or e.final]
-            if fresh:
-                final = next((i for i, e in enumerate(fresh) if e.final), None)
-                fresh = fresh if final is None else fresh[: final + 1]
-                yield await _encode(state, job_id, fresh)
-                if final is not None:
-                    return
-                after = fresh[-1].seq
-            batch = await live.get()
+    # Events that arrive together (a worker publishes tokens in batches) go in one write.
+    async for batch in state.hub.job_events(job_id, after):
+        yield await _encode(state, job_id, batch)
 
 
 async def _encode(state: AppState, job_id: str, events: list[JobEvent]) -> bytes:

@@ -153,7 +153,7 @@ def storage_section(settings: Settings, n_docs: int) -> str:
         )
         llama = load_llama(local)
         cache = open_cache(local, truncatable=memory_is_truncatable(llama))
-        saver = PrefixSaver(cache)
+        saver = PrefixSaver()
         engine = Engine(llama, local.cache.block_tokens, cache, saver, local.cache.min_tokens)
         total_tokens = 0
         for i in range(n_docs):

@@ -22,6 +22,11 @@ class ContextOverflow(InvalidRequest):
     error_type = "context_length_exceeded"
 
 
+class Unauthorized(GranaryError):
+    status_code = 401
+    error_type = "invalid_api_key"
+
+
 class JobNotFound(GranaryError):
     status_code = 404
     error_type = "not_found"

@@ -65,13 +65,19 @@ def _event_keys(job_id: str) -> tuple[str, str, str, str]:
     )
 
 
+def _final_keys(job_id: str) -> tuple[str, str, str, str, str]:
+    return (*_event_keys(job_id), keys.metrics_counters())
+
+
 class JobStore:
     def __init__(self, redis: Redis, result_ttl_s: int) -> None:
         self._redis = redis
         self._ttl_s = result_ttl_s
         self._scripts = Scripts(redis)
 
-    def create(self, job_id: str, queue: str, order: WorkOrder) -> JobView:
+    def create(
+        self, job_id: str, queue: str, order: WorkOrder, owner: str | None = None
+    ) -> JobView:
         record: dict[str, Any] = {
             "id": job_id,
             "status": JobStatus.QUEUED.value,
@@ -80,17 +86,30 @@ class JobStore:
             "attempts": 0,
             "emitted": 0,
             "order": order.model_dump_json(),
+            "owner": owner or "",
         }
-        # redis-py types `mapping` with an invariant key union no plain dict matches.
-        self._redis.hset(keys.job(job_id), mapping=record)  # type: ignore[arg-type]
+        with self._redis.pipeline() as pipe:
+            # redis-py types `mapping` with an invariant key union no plain dict matches.
+            pipe.hset(keys.job(job_id), mapping=record)  # type: ignore[arg-type]
+            pipe.hincrby(keys.metrics_counters(), "jobs_submitted", 1)
+            pipe.execute()
         return self._view(job_id, record)
 
     def get(self, job_id: str) -> JobView:
+        return self._view(job_id, self._record(job_id))
+
+    def get_owned(self, job_id: str, owner: str | None) -> JobView:
+        """The job, for its owner only: to anyone else it does not exist."""
+        record = self._record(job_id)
+        if record.get("owner", "") != (owner or ""):
+            raise JobNotFound(f"no job with id {job_id!r}")
+        return self._view(job_id, record)
+
+    def _record(self, job_id: str) -> dict[str, str]:
         raw: dict[bytes, bytes] = self._redis.hgetall(keys.job(job_id))  # type: ignore[assignment]
         if not raw:
             raise JobNotFound(f"no job with id {job_id!r}")
-        record = {k.decode(): v.decode() for k, v in raw.items()}
-        return self._view(job_id, record)
+        return {k.decode(): v.decode() for k, v in raw.items()}
 
     def delete(self, job_id: str) -> None:
         self._redis.delete(keys.job(job_id), keys.job_events(job_id))
@@ -127,12 +146,12 @@ class JobStore:
         if error is not None:
             fields["error"] = error
         return self._scripts.finish(
-            _event_keys(job_id), status.value, time.time(), self._ttl_s, fields
+            _final_keys(job_id), status.value, time.time(), self._ttl_s, fields
         )
 
-    def cancel(self, job_id: str) -> JobView:
-        if self._scripts.cancel(_event_keys(job_id), time.time(), self._ttl_s) is None:
-            raise JobNotFound(f"no job with id {job_id!r}")
+    def cancel(self, job_id: str, owner: str | None = None) -> JobView:
+        self.get_owned(job_id, owner)
+        self._scripts.cancel(_final_keys(job_id), time.time(), self._ttl_s)
         return self.get(job_id)
 
     def events(self, job_id: str, after_seq: int = -1) -> list[JobEvent]:

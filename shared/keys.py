@@ -38,3 +38,13 @@ def idempotency(key: str) -> str:
 def cache_counters(fingerprint: str) -> str:
     """Hash of prefix-cache counters summed over every worker of one model fingerprint."""
     return f"{PREFIX}:cache:{fingerprint}:counters"
+
+
+def metrics_counters() -> str:
+    """Hash of job counters summed over every worker (tokens; jobs by final status)."""
+    return f"{PREFIX}:metrics:counters"
+
+
+def metrics_histogram(name: str) -> str:
+    """Hash of one histogram's bucket counts, sum and count, over every worker."""
+    return f"{PREFIX}:metrics:histogram:{name}"

@@ -604,6 +604,19 @@ class PrefixCache:
     def fingerprint(self) -> str:
         return self._fp
 
+    def namespaced(self, namespace: str) -> PrefixCache:
+        """The same store and budget, under a separate namespace no other one reads."""
+        return PrefixCache(
+            self._store,
+            f"{self._fp}-{namespace}",
+            self._block_tokens,
+            self._max_bytes,
+            self._truncatable,
+            clock=self._clock,
+            hot_hits=self._hot_hits,
+            max_probes=self._max_probes,
+        )
+
     def counters(self) -> dict[str, int]:
         """This process's hit/miss/byte counters (cheap: no directory scan)."""
         with self._lock:

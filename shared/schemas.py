@@ -95,6 +95,8 @@ class WorkOrder(BaseModel):
     top_p: float
     seed: int
     stop: list[str]
+    # Jobs with different namespaces never share cached or in-memory prefixes.
+    cache_namespace: str | None = None
 
 
 class Usage(BaseModel):

@@ -44,7 +44,7 @@ end
 return redis.call('EXISTS', KEYS[4])
 """
 
-# KEYS: job, events stream, channel, cancel flag.
+# KEYS: job, events stream, channel, cancel flag, metrics counters.
 # ARGV: status, finished_at, ttl_s, then field/value pairs to store.
 # A job cancelled meanwhile stays cancelled; the final event is emitted exactly once.
 _FINISH = """
@@ -65,10 +65,11 @@ local ttl = tonumber(ARGV[3])
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('DEL', KEYS[4])
+redis.call('HINCRBY', KEYS[5], 'jobs_' .. status, 1)
 return 1
 """
 
-# KEYS: job, events stream, channel, cancel flag. ARGV: now, ttl_s.
+# KEYS: job, events stream, channel, cancel flag, metrics counters. ARGV: now, ttl_s.
 # Returns the status before the call. A queued job ends here (its final event is emitted now);
 # a started one gets a flag its worker sees within a token and ends it itself.
 _CANCEL = """
@@ -82,6 +83,7 @@ if current == 'queued' then
   redis.call('PUBLISH', KEYS[3], seq .. '|done|')
   redis.call('EXPIRE', KEYS[1], ARGV[2])
   redis.call('EXPIRE', KEYS[2], ARGV[2])
+  redis.call('HINCRBY', KEYS[5], 'jobs_cancelled', 1)
 else
   redis.call('SET', KEYS[4], '1', 'EX', ARGV[2])
 end
@@ -106,7 +108,7 @@ class Scripts:
 
     def finish(
         self,
-        keys: tuple[str, str, str, str],
+        keys: tuple[str, str, str, str, str],
         status: str,
         now_s: float,
         ttl_s: int,
@@ -117,7 +119,7 @@ class Scripts:
             flat += [name, value]
         return bool(self._finish(keys=list(keys), args=[status, now_s, ttl_s, *flat]))
 
-    def cancel(self, keys: tuple[str, str, str, str], now_s: float, ttl_s: int) -> str | None:
+    def cancel(self, keys: tuple[str, str, str, str, str], now_s: float, ttl_s: int) -> str | None:
         previous = self._cancel(keys=list(keys), args=[now_s, ttl_s])
         if previous is None:
             return None

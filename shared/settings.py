@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -47,6 +48,9 @@ class JobSettings(BaseModel):
 
 class CacheSettings(BaseModel):
     enabled: bool = True
+    # Give each API key its own cache (and no shared in-memory prefix), so one tenant cannot
+    # learn another's prompts from how fast their requests start.
+    per_key: bool = False
     # None: `<data_dir>/kv`.
     dir: Path | None = None
     max_bytes: int = Field(10 * 1024**3, ge=0)
@@ -75,11 +79,20 @@ class Settings(BaseSettings):
     n_threads: int | None = Field(None, ge=1)
     n_batch: int = Field(512, ge=1)
     log_level: str = "INFO"
+    # Comma-separated in GRANARY_API_KEYS. Empty: no authentication.
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     api: ApiSettings = ApiSettings()
     worker: WorkerSettings = WorkerSettings()
     jobs: JobSettings = JobSettings()
     cache: CacheSettings = CacheSettings()
     warmer: WarmerSettings = WarmerSettings()
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value
 
     @field_validator("data_dir")
     @classmethod

@@ -64,7 +64,12 @@ class Submitter:
         self._settings = settings
 
     def submit(
-        self, request: JobRequest, *, queue_name: str, idempotency_key: str | None = None
+        self,
+        request: JobRequest,
+        *,
+        queue_name: str,
+        idempotency_key: str | None = None,
+        owner: str | None = None,
     ) -> JobView:
         order = work_order_for(
             self._tokenizer,
@@ -72,14 +77,23 @@ class Submitter:
             n_ctx=self._settings.n_ctx,
             default_max_tokens=self._settings.jobs.default_max_tokens,
         )
+        if self._settings.cache.per_key and owner is not None:
+            order = order.model_copy(update={"cache_namespace": owner})
         job_id = uuid.uuid4().hex
-        view = self._store.create(job_id, queue_name, order)
+        view = self._store.create(job_id, queue_name, order, owner)
         if idempotency_key is not None:
-            existing = self._claim_idempotency_key(idempotency_key, job_id)
+            # Scoped by owner: one key's idempotency keys never reach another's jobs.
+            existing = self._claim_idempotency_key(f"{owner or ''}:{idempotency_key}", job_id)
             if existing is not None:
                 self._store.delete(job_id)
                 return self._store.get(existing)
         self._enqueue(job_id, queue_name)
+        return view
+
+    def cancel(self, job_id: str, owner: str | None) -> JobView:
+        """Cancel; a queued job also leaves its rq queue, so queue depth stays true."""
+        view = self._store.cancel(job_id, owner)
+        queue(self._redis, view.queue).remove(job_id)
         return view
 
     def _claim_idempotency_key(self, key: str, job_id: str) -> str | None:

@@ -34,6 +34,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
             for sub, subvalue in value.items():
                 if subvalue is not None:
                     env[f"GRANARY_{name.upper()}__{sub.upper()}"] = str(subvalue)
+        elif isinstance(value, list):
+            env[f"GRANARY_{name.upper()}"] = ",".join(value)
         elif value is not None:
             env[f"GRANARY_{name.upper()}"] = str(value)
     return env

@@ -51,6 +51,8 @@ class Engine:
         # in identically shaped batches and produce identical output.
         self.chunk_tokens = chunk_tokens
         self.cache = cache
+        self._namespaced: dict[str, PrefixCache] = {}
+        self._namespace: str | None = None
         self._saver = saver
         self._min_snapshot_tokens = min_snapshot_tokens
         self._vocab = llama_cpp.llama_model_get_vocab(llama.model)
@@ -74,14 +76,15 @@ class Engine:
 
     def generate(self, order: WorkOrder, on_token: OnToken) -> Generation:
         started = time.perf_counter()
+        cache = self._enter_namespace(order.cache_namespace)
         tokens = tokenize(self.llama, order.prompt)
         cached = self._reuse_memory(tokens)
         restore_ms = None
-        if self.cache is not None and cached < len(tokens) - 1:
-            cached = self._restore(tokens, cached)
+        if cache is not None and cached < len(tokens) - 1:
+            cached = self._restore(cache, tokens, cached)
             restore_ms = (time.perf_counter() - started) * 1000
         prefill_started = time.perf_counter()
-        self._prefill(tokens, cached)
+        self._prefill(cache, tokens, cached)
         max_tokens = min(order.max_tokens, self.n_ctx - len(tokens))
         decoded = self._decode(tokens[-1:], order, max_tokens, on_token)
         return Generation(
@@ -93,6 +96,17 @@ class Engine:
             ),
             timings=decoded.timings(started, prefill_started, restore_ms),
         )
+
+    def _enter_namespace(self, namespace: str | None) -> PrefixCache | None:
+        """The cache for this job's namespace; memory is never shared across namespaces."""
+        if namespace != self._namespace:
+            self.forget()
+            self._namespace = namespace
+        if self.cache is None or namespace is None:
+            return self.cache
+        if namespace not in self._namespaced:
+            self._namespaced[namespace] = self.cache.namespaced(namespace)
+        return self._namespaced[namespace]
 
     def _reuse_memory(self, tokens: list[int]) -> int:
         """Keep the cells shared with the previous prompt; returns how many tokens were kept.
@@ -115,10 +129,9 @@ class Engine:
             llama.n_tokens = kept
         return kept
 
-    def _restore(self, tokens: list[int], in_memory: int) -> int:
+    def _restore(self, cache: PrefixCache, tokens: list[int], in_memory: int) -> int:
         """Restore the longest cached prefix from disk if it beats what memory holds."""
-        assert self.cache is not None
-        hit = self.cache.lookup(tokens, min_tokens=in_memory + 1)
+        hit = cache.lookup(tokens, min_tokens=in_memory + 1)
         if hit is None or hit.n_tokens <= in_memory:
             return in_memory
         if kv_state.restore(self.llama, hit.state, tokens, hit.n_tokens):
@@ -128,7 +141,7 @@ class Engine:
         self._prefilled = 0
         return 0
 
-    def _prefill(self, tokens: list[int], cached: int) -> None:
+    def _prefill(self, cache: PrefixCache | None, tokens: list[int], cached: int) -> None:
         """Decode the prompt up to its last token in canonical chunks; snapshot for the cache.
 
         Snapshots end at the last-but-one token (an exact repeat restores all of it) and, for
@@ -136,14 +149,14 @@ class Engine:
         longer prompt sharing this one's start still finds a usable state).
         """
         end = len(tokens) - 1
-        snapshots = self._snapshot_points(cached, end)
+        snapshots = self._snapshot_points(cached, end) if cache is not None else set()
         position = cached
         while position < end:
             chunk_end = min(position - position % self.chunk_tokens + self.chunk_tokens, end)
             self.llama.eval(tokens[position:chunk_end])
             position = chunk_end
-            if position in snapshots and self._saver is not None:
-                self._saver.submit(tokens[:position], kv_state.capture(self.llama))
+            if position in snapshots and cache is not None and self._saver is not None:
+                self._saver.submit(cache, tokens[:position], kv_state.capture(self.llama))
         self._prefilled = end
 
     def _snapshot_points(self, cached: int, end: int) -> set[int]:

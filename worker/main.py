@@ -24,7 +24,7 @@ def build_engine(settings: Settings) -> Engine:
     if not settings.cache.enabled:
         return Engine(llama, block_tokens)
     cache = open_cache(settings, truncatable=memory_is_truncatable(llama))
-    return Engine(llama, block_tokens, cache, PrefixSaver(cache), settings.cache.min_tokens)
+    return Engine(llama, block_tokens, cache, PrefixSaver(), settings.cache.min_tokens)
 
 
 def run_worker(settings: Settings) -> None:
@@ -36,7 +36,7 @@ def run_worker(settings: Settings) -> None:
     store = JobStore(redis, settings.jobs.result_ttl_s)
     counters = CounterPublisher(redis, engine.cache) if engine.cache is not None else None
     interval_s = settings.worker.stream_interval_ms / 1000
-    tasks.bind(tasks.Runtime(engine, store, interval_s, counters))
+    tasks.bind(tasks.Runtime(engine, redis, store, interval_s, counters))
     try:
         GranaryWorker(redis, settings.worker).work(logging_level=settings.log_level)
     finally:

@@ -19,16 +19,17 @@ _STOP = None
 
 
 class PrefixSaver:
-    def __init__(self, cache: PrefixCache, max_pending: int = 4) -> None:
-        self._cache = cache
-        self._pending: queue.Queue[tuple[list[int], bytes] | None] = queue.Queue(max_pending)
+    def __init__(self, max_pending: int = 4) -> None:
+        self._pending: queue.Queue[tuple[PrefixCache, list[int], bytes] | None] = queue.Queue(
+            max_pending
+        )
         self._thread = threading.Thread(target=self._run, name="prefix-saver", daemon=True)
         self.dropped = 0
         self._thread.start()
 
-    def submit(self, tokens: list[int], state: bytes) -> None:
+    def submit(self, cache: PrefixCache, tokens: list[int], state: bytes) -> None:
         try:
-            self._pending.put_nowait((tokens, state))
+            self._pending.put_nowait((cache, tokens, state))
         except queue.Full:
             self.dropped += 1
             log.warning("prefix cache writes are behind; dropped a %d-token snapshot", len(tokens))
@@ -43,9 +44,9 @@ class PrefixSaver:
 
     def _run(self) -> None:
         while (item := self._pending.get()) is not _STOP:
-            tokens, state = item
+            cache, tokens, state = item
             try:
-                self._cache.save(tokens, state)
+                cache.save(tokens, state)
             except Exception:  # the cache must never take the worker down
                 log.exception("saving a prefix snapshot failed")
             finally:

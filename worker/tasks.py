@@ -12,8 +12,9 @@ from redis import Redis
 from rq.job import Job
 
 from shared.cache_counters import CounterPublisher
+from shared.job_metrics import record_job
 from shared.job_store import JobStore
-from shared.schemas import JobStatus, Timings
+from shared.schemas import JobStatus
 from worker.engine import Engine
 from worker.token_publisher import TokenPublisher
 
@@ -26,11 +27,13 @@ class Runtime:
     def __init__(
         self,
         engine: Engine,
+        redis: Redis,
         store: JobStore,
         stream_interval_s: float,
         counters: CounterPublisher | None = None,
     ) -> None:
         self.engine = engine
+        self._redis = redis
         self.store = store
         self._stream_interval_s = stream_interval_s
         self._counters = counters
@@ -52,13 +55,15 @@ class Runtime:
             store.finish(job_id, JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
             return
         cancelled = generation.result.finish_reason == "cancelled"
+        timings = generation.timings.model_copy(update={"queued_ms": queued_ms})
         store.finish(
             job_id,
             JobStatus.CANCELLED if cancelled else JobStatus.FINISHED,
             result=generation.result,
             usage=generation.usage,
-            timings=Timings(**{**generation.timings.model_dump(), "queued_ms": queued_ms}),
+            timings=timings,
         )
+        record_job(self._redis, generation.usage, timings)
         if self._counters is not None:
             self._counters.publish()
 

@@ -66,6 +66,9 @@ class GranaryWorker(SimpleWorker):
             maintenance_interval=settings.maintenance_interval_s,
             **kwargs,
         )
+        # rq lists a queue once something was enqueued on it; list them from the start, so
+        # `rq info` shows all three to an operator checking a fresh deployment.
+        redis.sadd(Queue.redis_queues_keys, *(q.key for q in queues))
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         return self._heartbeat_ttl_s

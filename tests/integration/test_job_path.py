@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -178,3 +181,16 @@ def test_killed_worker_job_completes_on_another(stack: Stack) -> None:
     tokens = [data for event, _, data in events(stack, job["id"]) if event == "token"]
     assert [t["index"] for t in tokens] == list(range(len(tokens)))
     assert "".join(t["text"] for t in tokens) == final["result"]["text"]
+
+
+def test_rq_info_shows_granarys_queues_and_workers(stack: Stack) -> None:
+    rq = Path(sys.executable).with_name("rq")
+    out = subprocess.run(
+        [str(rq), "info", "--url", stack.settings.redis_url],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for queue in ("interactive", "batch", "warm"):
+        assert queue in out
+    assert "1 workers, 3 queues" in out

@@ -40,7 +40,7 @@ class Models:
         )
         self.llama = load_llama(self.settings)
         self.cache = open_cache(self.settings, truncatable=memory_is_truncatable(self.llama))
-        self.saver = PrefixSaver(self.cache)
+        self.saver = PrefixSaver()
         self.warm = Engine(self.llama, BLOCK, self.cache, self.saver, 16)
         self.cold = Engine(self.llama, BLOCK)
 

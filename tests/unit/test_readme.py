@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from shared.settings import Settings
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+CONFIG_SECTION = README.split("## Configuration", 1)[1].split("\n## ", 1)[0]
 
 
 def _keys(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, object]]:

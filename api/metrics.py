@@ -1,0 +1,93 @@
+"""`GET /metrics`: Prometheus text format, gathered from Redis at scrape time.
+
+Workers are other processes (often on other hosts); their figures reach the API through Redis
+(`shared.job_metrics`, `shared.cache_counters`), read here when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from redis import Redis
+from rq import Worker
+
+from api.state import AppState, state_of
+from shared import job_metrics, keys
+from shared.cache_counters import COUNTERS as CACHE_COUNTERS
+from shared.cache_counters import read_counters as read_cache_counters
+from shared.submission import queue
+
+router = APIRouter(tags=["metrics"])
+
+JOB_STATUSES = ("finished", "failed", "cancelled")
+
+
+class GranaryCollector(Collector):
+    def __init__(self, state: AppState) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        redis = self._state.redis
+        yield from self._queues(redis)
+        yield from self._jobs(redis)
+        yield from self._cache(redis)
+
+    def _queues(self, redis: Redis) -> Iterator[Metric]:
+        depth = GaugeMetricFamily("granary_queue_depth", "Jobs waiting", labels=["queue"])
+        for name in keys.QUEUES:
+            depth.add_metric([name], queue(redis, name).count)
+        yield depth
+        yield GaugeMetricFamily(
+            "granary_workers", "Live workers", value=Worker.count(connection=redis)
+        )
+
+    def _jobs(self, redis: Redis) -> Iterator[Metric]:
+        counters = job_metrics.read_counters(redis)
+        yield CounterMetricFamily(
+            "granary_jobs_submitted", "Jobs accepted", value=counters.get("jobs_submitted", 0)
+        )
+        ended = CounterMetricFamily("granary_jobs", "Jobs by final status", labels=["status"])
+        for status in JOB_STATUSES:
+            ended.add_metric([status], counters.get(f"jobs_{status}", 0))
+        yield ended
+        for name in job_metrics.TOKEN_COUNTERS:
+            yield CounterMetricFamily(
+                f"granary_{name}", f"{name.replace('_', ' ')}", value=counters.get(name, 0)
+            )
+        for name in job_metrics.HISTOGRAMS:
+            data = job_metrics.read_histogram(redis, name)
+            buckets = [("+Inf" if b == float("inf") else f"{b:g}", c) for b, c in data.buckets]
+            yield HistogramMetricFamily(
+                f"granary_{name}", name.replace("_", " "), buckets=buckets, sum_value=data.sum
+            )
+
+    def _cache(self, redis: Redis) -> Iterator[Metric]:
+        cache = self._state.cache
+        if cache is None:
+            return
+        counters = read_cache_counters(redis, cache.fingerprint)
+        for name in CACHE_COUNTERS:
+            yield CounterMetricFamily(
+                f"granary_cache_{name}", f"prefix cache {name}", value=counters.get(name, 0)
+            )
+        stats = cache.stats()
+        yield GaugeMetricFamily("granary_cache_entries", "Cache entries", value=stats.entries)
+        yield GaugeMetricFamily("granary_cache_bytes", "Cache bytes on disk", value=stats.bytes)
+        yield GaugeMetricFamily("granary_cache_max_bytes", "Cache budget", value=stats.max_bytes)
+
+
+@router.get("/metrics")
+def metrics(request: Request) -> Response:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(GranaryCollector(state_of(request)))
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,262 @@
+"""OpenAI-compatible endpoints: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
+
+Every request is an ordinary job on the `interactive` queue, so it gets the prefix cache and
+the warmer like any other. Fields granary honours are mapped onto the job; fields that would
+change the output in ways granary cannot honour are refused with a 400 naming them (as vLLM
+and llama.cpp's server do); fields that only label a request are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import anyio
+import orjson
+from fastapi import APIRouter, Depends, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.auth import authenticate, owner_of
+from api.state import AppState, state_of
+from shared.errors import InvalidRequest, ServiceUnavailable
+from shared.schemas import MAX_STOP_SEQUENCES, JobRequest, JobStatus, JobView, Message, Text
+
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(authenticate)])
+
+Kind = Literal["chat", "text"]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    # Unknown fields (user, metadata, store, presence_penalty, ...) are accepted and ignored.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, gt=0, le=1_000_000)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**32)
+    stop: Text | list[Text] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.n != 1:
+            raise InvalidRequest("only n=1 is supported", field="n")
+        if self.logprobs not in (None, False, 0):
+            raise InvalidRequest("logprobs are not supported", field="logprobs")
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported", field="logit_bias")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_SEQUENCES:
+            raise InvalidRequest(f"at most {MAX_STOP_SEQUENCES} stop sequences", field="stop")
+
+    def sampling(self) -> dict[str, Any]:
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+        }
+
+
+class CompletionRequest(_Common):
+    prompt: Text | list[Text]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def job_request(self) -> JobRequest:
+        self.refuse_unsupported()
+        if self.echo:
+            raise InvalidRequest("echo is not supported", field="echo")
+        if self.best_of not in (None, 1):
+            raise InvalidRequest("only best_of=1 is supported", field="best_of")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", field="suffix")
+        prompt = self.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise InvalidRequest("send one prompt per request", field="prompt")
+            prompt = prompt[0]
+        return JobRequest(prompt=prompt, **self.sampling())
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, gt=0, le=1_000_000)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def job_request(self) -> JobRequest:
+        self.refuse_unsupported()
+        if self.tools:
+            raise InvalidRequest("tools are not supported", field="tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise InvalidRequest(
+                "only the text response format is supported", field="response_format"
+            )
+        sampling = self.sampling()
+        sampling["max_tokens"] = self.max_completion_tokens or self.max_tokens
+        return JobRequest(messages=self.messages, **sampling)
+
+
+@router.get("/models")
+def list_models(request: Request) -> dict[str, Any]:
+    settings = state_of(request).settings
+    model = {"id": settings.model, "object": "model", "created": 0, "owned_by": "granary"}
+    return {"object": "list", "data": [model]}
+
+
+@router.post("/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    return await _serve(request, body, body.job_request(), "text")
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(body: ChatRequest, request: Request) -> Any:
+    return await _serve(request, body, body.job_request(), "chat")
+
+
+async def _serve(request: Request, body: _Common, job: JobRequest, kind: Kind) -> Any:
+    state = state_of(request)
+    view = await run_in_threadpool(
+        state.submitter.submit, job, queue_name="interactive", owner=owner_of(request)
+    )
+    reply = _Reply(kind, view.id, state.settings.model, owner_of(request))
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(state, reply, usage), media_type="text/event-stream")
+    final = await _wait_or_cancel(state, request, reply)
+    return reply.whole(final)
+
+
+async def _wait_or_cancel(state: AppState, request: Request, reply: _Reply) -> JobView:
+    """The finished job; a client that hangs up meanwhile cancels it."""
+
+    async def finished() -> None:
+        async for _ in state.hub.job_events(reply.job_id):
+            pass
+
+    async def hung_up() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+
+    done_task = asyncio.create_task(finished())
+    gone_task = asyncio.create_task(hung_up())
+    await asyncio.wait({done_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (done_task, gone_task):
+        task.cancel()
+    if not done_task.done() or done_task.cancelled():
+        await run_in_threadpool(state.submitter.cancel, reply.job_id, reply.owner)
+    view = await run_in_threadpool(state.store.get, reply.job_id)
+    if view.status == JobStatus.FAILED:
+        raise ServiceUnavailable(f"generation failed: {view.error}")
+    return view
+
+
+async def _stream(state: AppState, reply: _Reply, include_usage: bool) -> AsyncIterator[bytes]:
+    finished = False
+    try:
+        yield reply.sse(reply.chunk(role=True))
+        async for batch in state.hub.job_events(reply.job_id):
+            text = "".join(orjson.loads(e.data)["text"] for e in batch if e.event == "token")
+            if text:
+                yield reply.sse(reply.chunk(text=text))
+            if batch[-1].final:
+                finished = True
+                view = await run_in_threadpool(state.store.get, reply.job_id)
+                for chunk in reply.last_chunks(view, include_usage):
+                    yield reply.sse(chunk)
+                yield b"data: [DONE]\n\n"
+    finally:
+        if not finished:  # the client went away: stop generating for nobody
+            # Starlette cancels this generator when the client leaves; shield the clean-up.
+            with anyio.CancelScope(shield=True):
+                await run_in_threadpool(state.submitter.cancel, reply.job_id, reply.owner)
+
+
+class _Reply:
+    """OpenAI's response shapes for one job."""
+
+    def __init__(self, kind: Kind, job_id: str, model: str, owner: str | None) -> None:
+        self.kind = kind
+        self.job_id = job_id
+        self.owner = owner
+        self.model = model
+        self.created = int(time.time())
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{job_id}"
+
+    def whole(self, view: JobView) -> dict[str, Any]:
+        text = view.result.text if view.result else ""
+        choice: dict[str, Any] = {"index": 0, "logprobs": None}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["finish_reason"] = _finish_reason(view)
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return self._envelope(obj, [choice]) | {"usage": _usage(view)}
+
+    def chunk(
+        self, text: str = "", role: bool = False, finish: str | None = None
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice["delta"] = delta
+            return self._envelope("chat.completion.chunk", [choice])
+        choice["text"] = text
+        return self._envelope("text_completion", [choice])
+
+    def last_chunks(self, view: JobView, include_usage: bool) -> list[dict[str, Any]]:
+        if view.status == JobStatus.FAILED:
+            return [
+                {"error": {"message": f"generation failed: {view.error}", "type": "server_error"}}
+            ]
+        chunks = [self.chunk(finish=_finish_reason(view))]
+        if include_usage:
+            obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+            chunks.append(self._envelope(obj, []) | {"usage": _usage(view)})
+        return chunks
+
+    @staticmethod
+    def sse(data: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps(data) + b"\n\n"
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+
+def _finish_reason(view: JobView) -> str:
+    reason = view.result.finish_reason if view.result else "stop"
+    return "length" if reason == "length" else "stop"
+
+
+def _usage(view: JobView) -> dict[str, Any]:
+    usage = view.usage
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }

@@ -1,0 +1,98 @@
+"""API keys: every /v1 route needs one when configured, and a key sees only its own jobs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.harness import Stack
+
+DOC = " ".join(f"Invoice {i}: {i * 3 % 17} boxes of tea shipped to Lyon." for i in range(30))
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def submit(stack: Stack, key: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(f"{stack.url}/v1/jobs", json=body, headers=bearer(key))
+    assert response.status_code == 202, response.text
+    job: dict[str, Any] = response.json()
+    return job
+
+
+def wait(stack: Stack, key: str, job_id: str) -> dict[str, Any]:
+    with httpx.stream("GET", f"{stack.url}/v1/jobs/{job_id}/events", headers=bearer(key)) as r:
+        for _ in r.iter_lines():
+            pass
+    job: dict[str, Any] = httpx.get(f"{stack.url}/v1/jobs/{job_id}", headers=bearer(key)).json()
+    return job
+
+
+def test_without_keys_everything_is_open(stack: Stack) -> None:
+    assert httpx.get(f"{stack.url}/v1/models").status_code == 200
+
+
+def test_every_v1_route_needs_a_valid_key(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory(workers=0, api_keys=["k1", "k2"])
+    routes = [
+        ("POST", "/v1/jobs"),
+        ("GET", "/v1/jobs/x"),
+        ("DELETE", "/v1/jobs/x"),
+        ("GET", "/v1/jobs/x/events"),
+        ("GET", "/v1/cache"),
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+    ]
+    for method, path in routes:
+        for headers in (
+            {},
+            bearer("wrong"),
+            {"Authorization": "k1"},
+            {"Authorization": "Basic k1"},
+        ):
+            response = httpx.request(method, f"{stack.url}{path}", headers=headers, json={})
+            assert response.status_code == 401, (method, path, headers)
+            assert response.json()["error"]["type"] == "invalid_api_key"
+    assert httpx.get(f"{stack.url}/healthz").status_code == 200
+    assert httpx.get(f"{stack.url}/v1/models", headers=bearer("k2")).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        OpenAI(base_url=f"{stack.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_key_sees_and_cancels_only_its_own_jobs(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory(api_keys=["k1", "k2"])
+    job = submit(stack, "k1", {"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    for method, path in [("GET", ""), ("GET", "/events"), ("DELETE", "")]:
+        url = f"{stack.url}/v1/jobs/{job['id']}{path}"
+        assert httpx.request(method, url, headers=bearer("k2")).status_code == 404, (method, path)
+    assert wait(stack, "k1", job["id"])["status"] == "finished"
+    # Idempotency keys are per API key too.
+    body = {"prompt": "Hello", "max_tokens": 2}
+    a = httpx.post(
+        f"{stack.url}/v1/jobs", json=body, headers=bearer("k1") | {"Idempotency-Key": "x"}
+    )
+    b = httpx.post(
+        f"{stack.url}/v1/jobs", json=body, headers=bearer("k2") | {"Idempotency-Key": "x"}
+    )
+    assert a.json()["id"] != b.json()["id"]
+
+
+def test_per_key_cache_namespace(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory(
+        api_keys=["k1", "k2"], cache={"per_key": True, "block_tokens": 64, "min_tokens": 16}
+    )
+    body = {"prompt": DOC + "\nTotal boxes:", "max_tokens": 4, "temperature": 0}
+    first = wait(stack, "k1", submit(stack, "k1", body)["id"])
+    other = wait(stack, "k2", submit(stack, "k2", body)["id"])
+    again = wait(stack, "k1", submit(stack, "k1", body)["id"])
+    assert first["usage"]["cached_tokens"] == 0
+    assert other["usage"]["cached_tokens"] == 0  # k2 cannot use what k1 computed
+    assert again["usage"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1
+    assert first["result"] == other["result"] == again["result"]

@@ -1,0 +1,61 @@
+"""`GET /metrics` reflects jobs, tokens, timings and the prefix cache of every worker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.harness import Stack
+from tests.integration.test_job_path import events, submit
+
+DOC = " ".join(f"Invoice {i}: {i * 3 % 17} boxes of tea shipped to Lyon." for i in range(30))
+
+
+def scrape(stack: Stack) -> dict[str, float]:
+    response = httpx.get(f"{stack.url}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def test_metrics_reflect_jobs_and_a_cache_hit(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory(cache={"block_tokens": 64, "min_tokens": 16})
+    before = scrape(stack)
+    assert before["granary_workers{}"] == 1
+    assert before["granary_queue_depth{queue=interactive}"] == 0
+    assert before["granary_jobs_total{status=finished}"] == 0
+    body = {"prompt": DOC + "\nTotal boxes:", "max_tokens": 4, "temperature": 0}
+    first = events(stack, submit(stack, body)["id"])[-1][2]
+    stack.stop_process("worker-1")  # a fresh worker: the second job can only hit the disk cache
+    stack.start_worker("worker-2")
+    second = events(stack, submit(stack, body)["id"])[-1][2]
+    after = scrape(stack)
+    assert after["granary_jobs_submitted_total{}"] == 2
+    assert after["granary_jobs_total{status=finished}"] == 2
+    prompt = first["usage"]["prompt_tokens"] + second["usage"]["prompt_tokens"]
+    assert after["granary_prompt_tokens_total{}"] == prompt
+    assert after["granary_cached_tokens_total{}"] == second["usage"]["cached_tokens"] > 0
+    assert after["granary_completion_tokens_total{}"] == 8
+    assert after["granary_time_to_first_token_seconds_count{}"] == 2
+    assert after["granary_queue_wait_seconds_count{}"] == 2
+    assert after["granary_time_to_first_token_seconds_bucket{le=+Inf}"] == 2
+    assert after["granary_cache_hits_total{}"] >= 1
+    assert after["granary_cache_hit_tokens_total{}"] >= second["usage"]["cached_tokens"]
+    assert after["granary_cache_bytes_written_total{}"] > 0
+    assert after["granary_cache_entries{}"] >= 1
+
+
+def test_cancelled_queued_job_is_counted(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory(workers=0)
+    job = submit(stack, {"prompt": "Hello", "max_tokens": 2})
+    assert scrape(stack)["granary_queue_depth{queue=interactive}"] == 1
+    httpx.delete(f"{stack.url}/v1/jobs/{job['id']}")
+    after = scrape(stack)
+    assert after["granary_jobs_total{status=cancelled}"] == 1

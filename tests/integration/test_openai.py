@@ -1,0 +1,136 @@
+"""OpenAI-compatible endpoints, driven by the official `openai` client against real processes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.harness import Stack
+
+COUNTING = "Count: 1, 2, 3, 4, 5, 6, 7, 8,"
+DOC = " ".join(f"Invoice {i}: {i * 3 % 17} boxes of tea shipped to Lyon." for i in range(30))
+
+
+@pytest.fixture
+def stack(stack_factory: Callable[..., Stack]) -> Stack:
+    return stack_factory(cache={"block_tokens": 64, "min_tokens": 16})
+
+
+def client(stack: Stack, key: str = "unused") -> OpenAI:
+    return OpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_models_lists_the_served_model(stack: Stack) -> None:
+    models = client(stack).models.list().data
+    assert [m.id for m in models] == ["smollm2-135m"]
+
+
+def test_completion_and_its_stream_agree(stack: Stack) -> None:
+    api = client(stack)
+    whole = api.completions.create(model="x", prompt=COUNTING, max_tokens=12, temperature=0)
+    assert whole.object == "text_completion"
+    assert whole.id.startswith("cmpl-")
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.completion_tokens == 12
+    chunks = list(
+        api.completions.create(
+            model="x",
+            prompt=COUNTING,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_completion_and_its_stream_agree(stack: Stack) -> None:
+    api = client(stack)
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    whole = api.chat.completions.create(
+        model="x",
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        seed=3,  # type: ignore[arg-type]
+    )
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content
+    stream = api.chat.completions.create(
+        model="x",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=16,
+        temperature=0,
+        seed=3,
+        stream=True,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_sequences(stack: Stack) -> None:
+    api = client(stack)
+    full = api.completions.create(model="x", prompt=COUNTING, max_tokens=16, temperature=0)
+    text = full.choices[0].text
+    stop = text.strip().split(",")[2].strip()
+    for stops in (stop, [stop, "never-appears"]):
+        cut = api.completions.create(
+            model="x", prompt=COUNTING, max_tokens=16, temperature=0, stop=stops
+        )
+        assert cut.choices[0].text == text[: text.index(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+
+
+def test_repeated_document_reports_cached_tokens(stack: Stack) -> None:
+    api = client(stack)
+    prompt = DOC + "\nTotal boxes:"
+    first = api.completions.create(model="x", prompt=prompt, max_tokens=4, temperature=0)
+    second = api.completions.create(model="x", prompt=prompt, max_tokens=4, temperature=0)
+    assert first.usage is not None and second.usage is not None
+    details = second.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == second.usage.prompt_tokens - 1
+    assert second.choices[0].text == first.choices[0].text
+
+
+def test_unsupported_fields_are_refused_by_name(stack: Stack) -> None:
+    api = client(stack)
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        api.completions.create(model="x", prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        api.completions.create(model="x", prompt="hi", logit_bias={"1": 5})
+    with pytest.raises(openai.BadRequestError, match="context window"):
+        api.completions.create(model="x", prompt="word " * 2000)
+    # Labels that do not change the output are accepted and ignored.
+    ok = api.completions.create(model="x", prompt="hi", max_tokens=2, user="u1", presence_penalty=0)
+    assert ok.choices
+
+
+def test_a_client_that_disconnects_cancels_its_job(stack: Stack) -> None:
+    body = {"model": "x", "prompt": COUNTING, "max_tokens": 600, "temperature": 0, "stream": True}
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{stack.url}/v1/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {") and '"text":"' in line)
+        job_id = first.split('"id":"cmpl-')[1].split('"')[0]
+    deadline = time.monotonic() + 30
+    while (job := httpx.get(f"{stack.url}/v1/jobs/{job_id}").json())["status"] != "cancelled":
+        assert job["status"] in ("queued", "started"), job
+        assert time.monotonic() < deadline, "the job kept running after the client left"
+        time.sleep(0.1)
+    assert job["usage"]["completion_tokens"] < 600
