@@ -25,7 +25,7 @@ def _keys(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, objec
 def test_every_setting_is_documented() -> None:
     rows = {
         line.split("|")[1].strip(" `"): line
-        for line in README.splitlines()
+        for line in CONFIG_SECTION.splitlines()
         if line.startswith("| `")
     }
     for key, default in _keys(Settings):
