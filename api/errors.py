@@ -13,6 +13,7 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from shared.errors import GranaryError
@@ -35,7 +36,9 @@ async def _granary_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
+    # RequestValidationError: the body as received; ValidationError: a model built from it
+    # (an OpenAI request turned into a job request).
+    assert isinstance(exc, RequestValidationError | ValidationError)
     first = exc.errors()[0]
     if first.get("type") == "json_invalid":
         return JSONResponse(error_body("invalid_request", "request body is not valid JSON"), 400)
@@ -66,6 +69,7 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
 def install(app: FastAPI) -> None:
     app.add_exception_handler(GranaryError, _granary_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(ValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(redis.ConnectionError, _redis_down)
     app.add_exception_handler(redis.TimeoutError, _redis_down)

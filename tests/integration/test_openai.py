@@ -112,6 +112,10 @@ def test_unsupported_fields_are_refused_by_name(stack: Stack) -> None:
         api.completions.create(model="x", prompt="hi", n=2)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         api.completions.create(model="x", prompt="hi", logit_bias={"1": 5})
+    with pytest.raises(openai.BadRequestError, match="stop"):
+        api.completions.create(model="x", prompt="hi", stop=[""])
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        api.chat.completions.create(model="x", messages=[])
     with pytest.raises(openai.BadRequestError, match="context window"):
         api.completions.create(model="x", prompt="word " * 2000)
     # Labels that do not change the output are accepted and ignored.
