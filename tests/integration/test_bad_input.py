@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -122,3 +125,21 @@ def test_readyz_without_workers_is_503(api: Stack) -> None:
     response = httpx.get(f"{api.url}/readyz")
     assert response.status_code == 503
     assert "worker" in response.json()["error"]["message"]
+
+
+def test_generated_requests_never_get_a_server_error(stack_factory: Callable[..., Stack]) -> None:
+    """Schemathesis sends requests derived from the OpenAPI schema to every operation."""
+    stack = stack_factory(n_ctx=256)
+    st = Path(sys.executable).with_name("st")
+    result = subprocess.run(
+        [
+            str(st), "run", f"{stack.url}/openapi.json",
+            "--checks", "not_a_server_error",
+            "--max-examples", "15",
+            "--seed", "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
