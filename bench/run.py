@@ -38,7 +38,7 @@ def _job_path_section(redis_url: str, log_dir: Path, quick: bool) -> str:
         try:
             stack.start_api()
             stack.start_worker()
-            rows.append(job_path.compare(stack, settings, 2 if quick else 5, max_tokens))
+            rows.append(job_path.compare(stack, settings, 2 if quick else 7, max_tokens))
         finally:
             stack.stop()
     return job_path.HEADER + "\n".join(rows) + "\n"
