@@ -154,10 +154,10 @@ async def _wait_or_cancel(state: AppState, request: Request, reply: _Reply) -> J
 
     done_task = asyncio.create_task(finished())
     gone_task = asyncio.create_task(hung_up())
-    await asyncio.wait({done_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
-    for task in (done_task, gone_task):
+    done, pending = await asyncio.wait({done_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
         task.cancel()
-    if not done_task.done() or done_task.cancelled():
+    if done_task not in done:
         await run_in_threadpool(state.submitter.cancel, reply.job_id, reply.owner)
     view = await run_in_threadpool(state.store.get, reply.job_id)
     if view.status == JobStatus.FAILED:

@@ -52,6 +52,7 @@ class Runtime:
                 generation = self.engine.generate(order, publisher.put)
         except Exception as exc:  # a job's failure must never take the worker down
             log.exception("job %s failed", job_id)
+            self.engine.forget()  # its memory may be half-written: the next job starts clean
             store.finish(job_id, JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
             return
         cancelled = generation.result.finish_reason == "cancelled"

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import httpx
 import openai
 import pytest
+import redis
 from openai import OpenAI
 
 from tests.harness import Stack
@@ -123,6 +124,29 @@ def test_unsupported_fields_are_refused_by_name(stack: Stack) -> None:
     assert ok.choices
 
 
+def test_a_client_that_gives_up_waiting_cancels_its_job(stack: Stack) -> None:
+    body = {"model": "x", "prompt": COUNTING, "max_tokens": 600, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{stack.url}/v1/completions", json=body, timeout=2)
+    wait_until_cancelled(stack, latest_job_id(stack))
+
+
+def latest_job_id(stack: Stack) -> str:
+    client = redis.Redis.from_url(stack.settings.redis_url)
+    ids = [k.decode().split(":")[2] for k in client.keys("granary:job:*") if k.count(b":") == 2]
+    assert len(ids) == 1, ids
+    return ids[0]
+
+
+def wait_until_cancelled(stack: Stack, job_id: str) -> None:
+    deadline = time.monotonic() + 30
+    while (job := httpx.get(f"{stack.url}/v1/jobs/{job_id}").json())["status"] != "cancelled":
+        assert job["status"] in ("queued", "started"), job
+        assert time.monotonic() < deadline, "the job kept running after the client left"
+        time.sleep(0.1)
+    assert job["usage"]["completion_tokens"] < 600
+
+
 def test_a_client_that_disconnects_cancels_its_job(stack: Stack) -> None:
     body = {"model": "x", "prompt": COUNTING, "max_tokens": 600, "temperature": 0, "stream": True}
     with (
@@ -132,9 +156,4 @@ def test_a_client_that_disconnects_cancels_its_job(stack: Stack) -> None:
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data: {") and '"text":"' in line)
         job_id = first.split('"id":"cmpl-')[1].split('"')[0]
-    deadline = time.monotonic() + 30
-    while (job := httpx.get(f"{stack.url}/v1/jobs/{job_id}").json())["status"] != "cancelled":
-        assert job["status"] in ("queued", "started"), job
-        assert time.monotonic() < deadline, "the job kept running after the client left"
-        time.sleep(0.1)
-    assert job["usage"]["completion_tokens"] < 600
+    wait_until_cancelled(stack, job_id)
