@@ -98,7 +98,8 @@ worker → Redis stream + pub/sub → SSE to the client, timed at the client). R
 the ratio is the median of per-pair ratios. Target: the job path keeps ≥ 95% of raw decode speed.
 The job path's TTFT includes the HTTP round trip, queueing and the worker picking the job up;
 the raw TTFT is tokenize + prefill + first sample only. The disk prefix cache is off here (raw
-llama-cpp-python has none); the API, Redis and the SSE client share the same 2 cores.
+llama-cpp-python has none); the API, Redis and the SSE client share the same 2 cores. Expect a
+few percent of spread between runs of this table on a shared machine.
 
 | model | threads | pairs | tokens | raw decode tok/s | job decode tok/s | job/raw | raw TTFT ms | job TTFT ms |
 |---|---|---|---|---|---|---|---|---|

@@ -122,10 +122,13 @@ def _ttft_row(label: str, samples: list[tuple[Run, Run, Run]]) -> str:
         c.job["result"]["text"] == w.job["result"]["text"] == d.job["result"]["text"]
         for c, w, d in samples
     )
-    verdict = "meets" if ratio_warm >= 100 else "MISSES"
+    # The target is stated for the ~3000-token prefix only.
+    verdict = ""
+    if prompt >= 2500:
+        verdict = " (meets ≥ 100×)" if ratio_warm >= 100 else " (MISSES ≥ 100×)"
     return (
         f"| {label} | {prompt} | {cached} | {cold * 1000:.0f} | {warm * 1000:.0f} | "
-        f"**{ratio_warm:.0f}×** ({verdict} ≥ 100×) | {restore:.0f} | {disk * 1000:.0f} | "
+        f"**{ratio_warm:.0f}×**{verdict} | {restore:.0f} | {disk * 1000:.0f} | "
         f"{ratio_disk:.0f}× | {restore_disk:.0f} | {'yes' if same else 'NO'} |"
     )
 
