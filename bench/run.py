@@ -9,7 +9,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from bench import job_path, machine, prefix_cache
+from bench import chunk_shape, job_path, machine, prefix_cache
 from shared.redis_server import private_redis
 from shared.settings import Settings
 from tests.harness import REPO, Stack, free_port
@@ -63,7 +63,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     parser.add_argument(
-        "--only", choices=["job_path", "prefix_cache"], help="one suite, printed, not written"
+        "--only",
+        choices=["job_path", "prefix_cache", "chunk_shape"],
+        help="one suite, printed, not written",
     )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, private_redis(Path(tmp) / "redis") as redis_url:
@@ -72,6 +74,9 @@ def main() -> None:
             sections.append(_job_path_section(redis_url, Path(tmp), args.quick))
         if args.only in (None, "prefix_cache"):
             sections += _prefix_cache_sections(redis_url, Path(tmp), args.quick)
+        if args.only in (None, "chunk_shape"):
+            models = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
+            sections.append(chunk_shape.section([_settings(redis_url, m) for m in models]))
     if args.only:
         print("\n".join(sections))
         return

@@ -215,7 +215,7 @@ def restorable_tokens(
     `stored`: tokens of the stored state; `common`: how many of them the prompt shares;
     `limit`: the prompt's length minus the one token always decoded fresh. Workers prefill in
     chunks that end at multiples of `block_tokens` and at `limit`, and a KV cell's values
-    depend on the shape of the chunk that computed it (measured: up to 0.25 in a logit). So a
+    depend on the shape of the chunk that computed it (docs/BENCHMARKS.md measures it). So a
     restore may end only where the prompt's own cold prefill ends a chunk: at a block boundary,
     or at `limit` when the stored state is exactly that prefix. A longer state is cut back to a
     block boundary, which only plain-attention memories allow.
