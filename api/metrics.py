@@ -23,8 +23,8 @@ from rq import Worker
 
 from api.state import AppState, state_of
 from shared import job_metrics, keys
-from shared.cache_counters import COUNTERS as CACHE_COUNTERS
 from shared.cache_counters import read_counters as read_cache_counters
+from shared.prefix_cache import COUNTER_NAMES as CACHE_COUNTERS
 from shared.submission import queue
 
 router = APIRouter(tags=["metrics"])

@@ -27,12 +27,6 @@ class GranaryClient:
         job: dict[str, Any] = response.json()
         return job
 
-    def job(self, job_id: str) -> dict[str, Any]:
-        response = self._http.get(f"/v1/jobs/{job_id}")
-        _raise_for_error(response)
-        job: dict[str, Any] = response.json()
-        return job
-
     def events(self, job_id: str) -> Iterator[tuple[str, dict[str, Any]]]:
         """(event, data) pairs until the final `done` or `error`."""
         url = f"/v1/jobs/{job_id}/events"

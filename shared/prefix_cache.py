@@ -207,6 +207,10 @@ def _blob_name(n_tokens: int, blob_id: str) -> str:
     return f"{n_tokens}-{blob_id}"
 
 
+# Per-process counters; workers sum them in Redis (shared.cache_counters).
+COUNTER_NAMES = ("hits", "misses", "hit_tokens", "bytes_read", "bytes_written", "evictions")
+
+
 def restorable_tokens(
     common: int, stored: int, limit: int, block_tokens: int, truncatable: bool
 ) -> int:
@@ -266,9 +270,7 @@ class PrefixCache:
         self._hot_hits = hot_hits
         self._max_probes = max_probes
         self._lock = threading.Lock()
-        self._counters = dict.fromkeys(
-            ("hits", "misses", "hit_tokens", "bytes_read", "bytes_written", "evictions"), 0
-        )
+        self._counters = dict.fromkeys(COUNTER_NAMES, 0)
 
     # ---- key layout -------------------------------------------------------
 
