@@ -9,7 +9,7 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis as AsyncRedis
 
-from api import cache, errors, health, jobs, metrics, openai_api
+from api import cache, errors, health, jobs, metrics, openai_api, warm
 from api.event_hub import EventHub
 from api.state import AppState
 from shared.job_store import JobStore
@@ -18,6 +18,7 @@ from shared.prefix_cache import open_cache
 from shared.redis_server import connect
 from shared.settings import Settings
 from shared.submission import Submitter
+from shared.warm_runs import WarmRuns
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -36,6 +37,7 @@ def create_app(settings: Settings) -> FastAPI:
             tokenizer=tokenizer,
             store=store,
             submitter=Submitter(redis, store, tokenizer, settings),
+            warm_runs=WarmRuns(redis, store, settings),
             hub=hub,
             cache=open_cache(settings) if settings.cache.enabled else None,
         )
@@ -53,6 +55,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(cache.router)
     app.include_router(openai_api.router)
+    app.include_router(warm.router)
     app.include_router(metrics.router)
     return app
 

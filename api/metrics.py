@@ -7,6 +7,7 @@ Workers are other processes (often on other hosts); their figures reach the API 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import get_args
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -25,6 +26,7 @@ from api.state import AppState, state_of
 from shared import job_metrics, keys
 from shared.cache_counters import read_counters as read_cache_counters
 from shared.prefix_cache import COUNTER_NAMES as CACHE_COUNTERS
+from shared.schemas import WarmTrigger
 from shared.submission import queue
 
 router = APIRouter(tags=["metrics"])
@@ -60,6 +62,15 @@ class GranaryCollector(Collector):
         for status in JOB_STATUSES:
             ended.add_metric([status], counters.get(f"jobs_{status}", 0))
         yield ended
+        runs = CounterMetricFamily("granary_warm_runs", "Warm runs started", labels=["trigger"])
+        for trigger in get_args(WarmTrigger):
+            runs.add_metric([trigger], counters.get(f"warm_runs_{trigger}", 0))
+        yield runs
+        yield CounterMetricFamily(
+            "granary_warm_tokens",
+            "Prefix tokens computed by warm jobs",
+            value=counters.get("warm_tokens", 0),
+        )
         for name in job_metrics.TOKEN_COUNTERS:
             yield CounterMetricFamily(
                 f"granary_{name}", f"{name.replace('_', ' ')}", value=counters.get(name, 0)

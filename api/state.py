@@ -14,6 +14,7 @@ from shared.job_store import JobStore
 from shared.prefix_cache import PrefixCache
 from shared.settings import Settings
 from shared.submission import Submitter
+from shared.warm_runs import WarmRuns
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,7 @@ class AppState:
     tokenizer: Llama
     store: JobStore
     submitter: Submitter
+    warm_runs: WarmRuns
     hub: EventHub
     cache: PrefixCache | None
 

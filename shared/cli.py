@@ -23,7 +23,14 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
     sub.add_parser("api", help="run the HTTP API")
     sub.add_parser("worker", help="run one worker with the model resident")
-    sub.add_parser("warmer", help="run the warm-up scheduler")
+    warmer = sub.add_parser("warmer", help="run the warm-up scheduler")
+    warmer.add_argument("--run-now", action="store_true", help="run once at start (no catch-up)")
+    warm = sub.add_parser("warm", help="warm documents now (through the API)")
+    warm.add_argument("files", nargs="+", help="document files (UTF-8 text)")
+    warm.add_argument("--instructions", help="the instructions requests send with them")
+    warm.add_argument("--template", help="the template requests send with them ({document})")
+    warm.add_argument("--no-wait", action="store_true", help="print the run id and return")
+    warm.add_argument("--url", default=None, help="API base URL (default: from settings)")
     sub.add_parser("prepare", help="provision the configured model and print its path")
     cache = sub.add_parser("cache", help="inspect or manage the shared prefix cache")
     cache.add_argument("action", choices=["stats", "ls", "verify", "prune", "clear"])
@@ -79,7 +86,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     elif args.command == "warmer":
         from warmer.main import run_warmer
 
-        run_warmer(settings)
+        run_warmer(settings, run_now=args.run_now)
     elif args.command == "prepare":
         from shared.models import resolve_model
 
@@ -88,6 +95,10 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         from shared.cache_admin import run_cache_command
 
         return run_cache_command(args.action, settings)
+    elif args.command == "warm":
+        from shared.warm_command import warm_from_cli
+
+        return warm_from_cli(args, settings)
     elif args.command == "submit":
         from shared.client import submit_from_cli
 

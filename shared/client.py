@@ -17,8 +17,27 @@ from shared.settings import Settings
 
 
 class GranaryClient:
-    def __init__(self, base_url: str, timeout_s: float = 30.0) -> None:
-        self._http = httpx.Client(base_url=base_url, timeout=timeout_s)
+    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=base_url, timeout=timeout_s, headers=headers)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, url: str | None = None) -> GranaryClient:
+        """The API these settings describe, with their first API key if keys are set."""
+        base = url or f"http://{settings.api.host}:{settings.api.port}"
+        return cls(base, settings.api_keys[0] if settings.api_keys else None)
+
+    def warm(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", "/v1/warm", json=body)
+
+    def warm_run(self, run_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/warm/runs/{run_id}")
+
+    def _call(self, method: str, url: str, **kwargs: Any) -> dict[str, Any]:
+        response = self._http.request(method, url, **kwargs)
+        _raise_for_error(response)
+        data: dict[str, Any] = response.json()
+        return data
 
     def submit(self, body: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
@@ -32,6 +51,8 @@ class GranaryClient:
         url = f"/v1/jobs/{job_id}/events"
         with connect_sse(self._http, "GET", url, timeout=None) as source:
             for sse in source.iter_sse():
+                if sse.event == "message" and not sse.data:
+                    continue  # the keep-alive comment, seen as an event once an id was sent
                 yield sse.event, orjson.loads(sse.data)
                 if sse.event in ("done", "error"):
                     return
@@ -61,7 +82,7 @@ def submit_from_cli(args: argparse.Namespace, settings: Settings) -> int:
     for name in ("max_tokens", "temperature", "seed"):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
-    client = GranaryClient(args.url or f"http://{settings.api.host}:{settings.api.port}")
+    client = GranaryClient.from_settings(settings, args.url)
     job = client.submit(body)
     if args.wait:
         sys.stdout.write(orjson.dumps(client.wait(job["id"]), option=orjson.OPT_INDENT_2).decode())

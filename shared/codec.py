@@ -7,6 +7,11 @@ from typing import Any
 import orjson
 
 
+def dumps(obj: Any) -> bytes:
+    """Sorted keys: equal values always give equal bytes (they are hashed into ids)."""
+    return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+
+
 def loads(data: bytes | str) -> Any:
     return orjson.loads(data)
 

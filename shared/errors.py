@@ -37,6 +37,10 @@ class Conflict(GranaryError):
     error_type = "conflict"
 
 
+class CacheDisabled(Conflict):
+    """Warming needs the prefix cache; it is switched off."""
+
+
 class ServiceUnavailable(GranaryError):
     status_code = 503
     error_type = "unavailable"

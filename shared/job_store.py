@@ -9,8 +9,9 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar
 
+from pydantic import BaseModel
 from redis import Redis
 
 from shared import codec, keys
@@ -22,11 +23,12 @@ from shared.schemas import (
     Timings,
     TokenEvent,
     Usage,
-    WorkOrder,
+    WarmResult,
 )
 from shared.scripts import Scripts
 
-_JSON_FIELDS = ("result", "usage", "timings")
+_JSON_FIELDS = ("result", "warm", "usage", "timings")
+Order = TypeVar("Order", bound=BaseModel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +78,16 @@ class JobStore:
         self._scripts = Scripts(redis)
 
     def create(
-        self, job_id: str, queue: str, order: WorkOrder, owner: str | None = None
+        self,
+        job_id: str,
+        queue: str,
+        order: BaseModel,
+        owner: str | None = None,
+        kind: Literal["generate", "warm"] = "generate",
     ) -> JobView:
         record: dict[str, Any] = {
             "id": job_id,
+            "kind": kind,
             "status": JobStatus.QUEUED.value,
             "queue": queue,
             "created_at": time.time(),
@@ -114,11 +122,21 @@ class JobStore:
     def delete(self, job_id: str) -> None:
         self._redis.delete(keys.job(job_id), keys.job_events(job_id))
 
-    def order(self, job_id: str) -> WorkOrder:
+    def order(self, job_id: str, model: type[Order]) -> Order:
         raw = self._redis.hget(keys.job(job_id), "order")
         if raw is None:
             raise JobNotFound(f"no job with id {job_id!r}")
-        return WorkOrder.model_validate_json(raw)
+        return model.model_validate_json(raw)
+
+    def cancel_requested(self, job_id: str) -> bool:
+        return bool(self._redis.exists(keys.job_cancel(job_id)))
+
+    def requeue(self, job_id: str, progress: WarmResult) -> bool:
+        """A started job stepped aside for other work: queued again, its progress kept.
+
+        False when it was cancelled meanwhile (it must not be enqueued again).
+        """
+        return self._scripts.requeue(keys.job(job_id), progress.model_dump_json())
 
     def start(self, job_id: str) -> int:
         """Mark started; returns the attempt number, or 0 if the job must not run."""
@@ -135,12 +153,14 @@ class JobStore:
         status: JobStatus,
         *,
         result: JobResult | None = None,
+        warm: WarmResult | None = None,
         usage: Usage | None = None,
         timings: Timings | None = None,
         error: str | None = None,
     ) -> bool:
         fields: dict[str, Any] = {}
-        for name, value in (("result", result), ("usage", usage), ("timings", timings)):
+        values = {"result": result, "warm": warm, "usage": usage, "timings": timings}
+        for name, value in values.items():
             if value is not None:
                 fields[name] = value.model_dump_json()
         if error is not None:

@@ -48,3 +48,33 @@ def metrics_counters() -> str:
 def metrics_histogram(name: str) -> str:
     """Hash of one histogram's bucket counts, sum and count, over every worker."""
     return f"{PREFIX}:metrics:histogram:{name}"
+
+
+def warm_runs() -> str:
+    """List of recent warm run ids, newest first (capped)."""
+    return f"{PREFIX}:warm:runs"
+
+
+def warm_run(run_id: str) -> str:
+    """Hash describing one warm run: trigger, start time, its jobs."""
+    return f"{PREFIX}:warm:run:{run_id}"
+
+
+def warm_pending(prefix_id: str) -> str:
+    """The warm job already queued or running for a prefix: later requests for it join it."""
+    return f"{PREFIX}:warm:pending:{prefix_id}"
+
+
+def warmer_last_fire() -> str:
+    """The scheduled time of the warmer's last run, so a restarted warmer knows what it missed."""
+    return f"{PREFIX}:warmer:last-fire"
+
+
+def prefix_uses() -> str:
+    """Sorted set: learned prefix id -> times requests used it."""
+    return f"{PREFIX}:prefixes:uses"
+
+
+def prefix_usage(prefix_id: str) -> str:
+    """Hash for one learned prefix: how to rebuild it, its namespace, hits and misses."""
+    return f"{PREFIX}:prefixes:{prefix_id}"

@@ -29,7 +29,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -212,24 +212,37 @@ COUNTER_NAMES = ("hits", "misses", "hit_tokens", "bytes_read", "bytes_written", 
 
 
 def restorable_tokens(
-    common: int, stored: int, limit: int, block_tokens: int, truncatable: bool
+    common: int,
+    stored: int,
+    limit: int,
+    block_tokens: int,
+    truncatable: bool,
+    breaks: Collection[int] = (),
+    stored_breaks: Collection[int] = (),
 ) -> int:
     """How many tokens of a stored prefix a prompt may restore so warm output equals cold.
 
     `stored`: tokens of the stored state; `common`: how many of them the prompt shares;
     `limit`: the prompt's length minus the one token always decoded fresh. Workers prefill in
-    chunks that end at multiples of `block_tokens` and at `limit`, and a KV cell's values
-    depend on the shape of the chunk that computed it (docs/BENCHMARKS.md measures it). So a
-    restore may end only where the prompt's own cold prefill ends a chunk: at a block boundary,
-    or at `limit` when the stored state is exactly that prefix. A longer state is cut back to a
-    block boundary, which only plain-attention memories allow.
+    chunks that end at multiples of `block_tokens`, at `limit` and at the prompt's `breaks`
+    (where a shared prefix such as a document ends), and a KV cell's values depend on the
+    shape of the chunk that computed it (docs/BENCHMARKS.md measures it). So a restore may end
+    only where both the stored state's prefill and the prompt's own cold prefill ended a chunk,
+    with every earlier chunk end shared: at a block boundary or a common break, or at the
+    stored state's end when the prompt's cold run ends a chunk there too. A longer state is
+    cut back, which only plain-attention memories allow. `stored_breaks`: the stored state's
+    breaks (states on disk end at their only break, so they have none inside).
     """
-    n = min(common, limit)
-    if n == stored and (n == limit or n % block_tokens == 0):
+    n = min(common, limit, stored)
+    ours = {b for b in breaks if b < n}
+    theirs = {b for b in stored_breaks if b < n}
+    # After a chunk end only one side had, cells were computed in differently shaped batches.
+    n = min([n, *(ours ^ theirs)])
+    if n == stored and (n == limit or n % block_tokens == 0 or n in breaks):
         return n
     if not truncatable:
         return 0
-    return n - n % block_tokens
+    return max([n - n % block_tokens, *(b for b in ours & theirs if b <= n)])
 
 
 class PrefixCache:
@@ -293,17 +306,20 @@ class PrefixCache:
 
     # ---- lookup -----------------------------------------------------------
 
-    def lookup(self, prompt_tokens: Sequence[int], min_tokens: int = 1) -> CacheHit | None:
+    def lookup(
+        self, prompt_tokens: Sequence[int], min_tokens: int = 1, breaks: Collection[int] = ()
+    ) -> CacheHit | None:
         """Longest usable cached prefix of at least `min_tokens`; never raises for bad files.
 
         `min_tokens` lets a caller that already holds a prefix in memory skip reading blobs
-        that could not beat it.
+        that could not beat it; `breaks` are the prompt's extra chunk ends (see
+        `restorable_tokens`).
         """
         tokens = list(prompt_tokens)
         hit: CacheHit | None = None
         if len(tokens) >= 2:  # the last prompt token is always decoded fresh
             try:
-                hit = self._find(tokens, min_tokens)
+                hit = self._find(tokens, min_tokens, frozenset(breaks))
             except OSError as exc:
                 logger.warning("prefix cache lookup failed, treating as miss: %s", exc)
         if hit is None:
@@ -312,7 +328,7 @@ class PrefixCache:
             self._count(hits=1, hit_tokens=hit.n_tokens, bytes_read=len(hit.state))
         return hit
 
-    def _find(self, tokens: list[int], min_tokens: int) -> CacheHit | None:
+    def _find(self, tokens: list[int], min_tokens: int, breaks: frozenset[int]) -> CacheHit | None:
         chain = block_hashes(tokens, self._block_tokens, self._fp)
         # A blob found at a boundary is shorter than the next longer boundary (else it would
         # have been found there), so once that bound drops below min_tokens, stop.
@@ -324,7 +340,7 @@ class PrefixCache:
             marker_dir = self._index_dir(self._fp, boundary.key)
             names = self._store.list(marker_dir)
             if names:
-                hit = self._best_at(tokens, chain, marker_dir, names, min_tokens)
+                hit = self._best_at(tokens, chain, marker_dir, names, min_tokens, breaks)
                 if hit is not None:
                     return hit
         return None
@@ -336,6 +352,7 @@ class PrefixCache:
         marker_dir: str,
         names: list[str],
         min_tokens: int,
+        breaks: frozenset[int],
     ) -> CacheHit | None:
         """Try the candidates sharing one boundary with the prompt, best first."""
         limit = len(tokens) - 1
@@ -350,17 +367,17 @@ class PrefixCache:
             if n <= len(tokens) and blob_id == prefix_key(
                 tokens, self._block_tokens, self._fp, n_tokens=n, chain=chain
             ):
-                usable = self.usable(n, n, limit)
+                usable = self.usable(n, n, limit, breaks)
                 if usable > 0:
                     ranked.append((usable, name))
             elif self._truncatable:
                 unknown.append((min(n, limit), name))
         if self._truncatable:
-            ranked += self._probe(tokens, marker_dir, unknown, ranked)
+            ranked += self._probe(tokens, marker_dir, unknown, ranked, breaks)
         for usable, name in sorted(ranked, reverse=True):
             if usable < min_tokens:
                 break
-            hit = self._load(tokens, marker_dir, name)
+            hit = self._load(tokens, marker_dir, name, breaks)
             if hit is not None:
                 return hit
         return None
@@ -371,6 +388,7 @@ class PrefixCache:
         marker_dir: str,
         unknown: list[tuple[int, str]],
         known: list[tuple[int, str]],
+        breaks: frozenset[int],
     ) -> list[tuple[int, str]]:
         """Read token headers of a few diverging blobs to find mid-block matches.
 
@@ -387,7 +405,7 @@ class PrefixCache:
                 self._forget(self._fp, name, None, self._block_tokens, marker_dir + name)
                 continue
             common = common_prefix_len(blob_tokens, tokens)
-            usable = self.usable(common, len(blob_tokens), len(tokens) - 1)
+            usable = self.usable(common, len(blob_tokens), len(tokens) - 1, breaks)
             if usable > 0:
                 out.append((usable, name))
         return out
@@ -404,7 +422,9 @@ class PrefixCache:
             return None
         return result[1]
 
-    def _load(self, tokens: list[int], marker_dir: str, name: str) -> CacheHit | None:
+    def _load(
+        self, tokens: list[int], marker_dir: str, name: str, breaks: frozenset[int]
+    ) -> CacheHit | None:
         """Read and fully verify one blob; remove it if it is bad."""
         n, blob_id = _parse_name(name) or (-1, "")
         key = self._blob_key(self._fp, name)
@@ -423,14 +443,18 @@ class PrefixCache:
             return None
         _, blob_tokens, state = decoded
         common = common_prefix_len(blob_tokens, tokens)
-        usable = self.usable(common, len(blob_tokens), len(tokens) - 1)
+        usable = self.usable(common, len(blob_tokens), len(tokens) - 1, breaks)
         if usable < 1:
             return None
         self._record_use(key, name)
         return CacheHit(usable, state, len(blob_tokens), blob_id)
 
-    def usable(self, common: int, blob_tokens: int, limit: int) -> int:
-        return restorable_tokens(common, blob_tokens, limit, self._block_tokens, self._truncatable)
+    def usable(
+        self, common: int, blob_tokens: int, limit: int, breaks: Collection[int] = ()
+    ) -> int:
+        return restorable_tokens(
+            common, blob_tokens, limit, self._block_tokens, self._truncatable, breaks
+        )
 
     def _record_use(self, key: str, name: str) -> None:
         self._store.touch(key, self._clock())

@@ -65,8 +65,38 @@ class SamplingParams(BaseModel):
         return value
 
 
-class JobRequest(SamplingParams):
-    """`POST /v1/jobs`: a raw `prompt` or chat `messages`, exactly one of them."""
+DOCUMENT_PLACEHOLDER = "{document}"
+
+
+class DocumentFields(BaseModel):
+    """A document and how it is introduced: the prefix many requests about it share.
+
+    `instructions` become the system message; `template` (containing `{document}`) wraps the
+    document in the user message. Everything up to the end of the wrapped document is the
+    shared prefix, which the cache and the warmer keep whole.
+    """
+
+    document: Text | None = Field(None, min_length=1)
+    instructions: Text | None = None
+    template: Text | None = None
+
+    @field_validator("template")
+    @classmethod
+    def _has_placeholder(cls, value: str | None) -> str | None:
+        if value is not None and DOCUMENT_PLACEHOLDER not in value:
+            raise ValueError(f"template must contain {DOCUMENT_PLACEHOLDER}")
+        return value
+
+    def _check_document_fields(self) -> None:
+        if self.document is None and (self.instructions is not None or self.template is not None):
+            raise ValueError("'instructions' and 'template' need a 'document'")
+
+
+class JobRequest(SamplingParams, DocumentFields):
+    """`POST /v1/jobs`: a raw `prompt` or chat `messages`, exactly one of them.
+
+    With a `document`, `prompt` is the question asked about it.
+    """
 
     prompt: Text | None = None
     messages: list[Message] | None = Field(None, min_length=1)
@@ -75,6 +105,9 @@ class JobRequest(SamplingParams):
     def _one_input(self) -> JobRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.document is not None and self.messages is not None:
+            raise ValueError("with 'document', ask the question in 'prompt', not 'messages'")
+        self._check_document_fields()
         return self
 
 
@@ -83,6 +116,80 @@ class RenderedPrompt(BaseModel):
 
     text: str
     add_bos: bool
+    # The shared prefix (a document) ends at this character. It is tokenized on its own, so
+    # its tokens are the same whatever follows, and prefill ends a chunk there, so its cached
+    # state is restorable in full.
+    prefix_chars: int | None = None
+
+
+class WarmItem(DocumentFields):
+    """One prefix to pre-compute: a `prompt`, chat `messages` or a `document`.
+
+    A document is warmed up to its end (what every question about it shares); a prompt or
+    messages up to the last token, so the same request later restores all of it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Text | None = Field(None, max_length=200)
+    prompt: Text | None = Field(None, min_length=1)
+    messages: list[Message] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> WarmItem:
+        given = [f for f in ("prompt", "messages", "document") if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of 'prompt', 'messages' or 'document'")
+        self._check_document_fields()
+        return self
+
+
+class WarmRequest(WarmItem):
+    """`POST /v1/warm`: one item, or `documents` sharing `instructions` and `template`."""
+
+    documents: list[Annotated[Text, Field(min_length=1)]] | None = Field(
+        None, min_length=1, max_length=1000
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _documents_are_items(cls, data: object) -> object:
+        # Validated as if the first document were `document`; `items()` expands the rest.
+        if isinstance(data, dict) and data.get("documents"):
+            if data.get("document") is not None:
+                raise ValueError("give 'document' or 'documents', not both")
+            docs = data["documents"]
+            if isinstance(docs, list) and docs:
+                return {**data, "document": docs[0]}
+        return data
+
+    def items(self) -> list[WarmItem]:
+        base = self.model_dump(exclude={"documents"})
+        if not self.documents:
+            return [WarmItem.model_validate(base)]
+        return [WarmItem.model_validate({**base, "document": d}) for d in self.documents]
+
+
+WarmTrigger = Literal["schedule", "catch-up", "manual", "learned"]
+
+
+class WarmOrder(BaseModel):
+    """What a worker needs to run a warm job. The worker renders it with its own model."""
+
+    item: WarmItem
+    cache_namespace: str | None = None
+    run_id: str | None = None
+
+
+class WarmResult(BaseModel):
+    """A finished warm job: how long the prefix is and how much of it had to be computed."""
+
+    prefix_tokens: int
+    cached_tokens: int
+    warmed_tokens: int
+    already_cached: bool
+    # Times it stepped aside for interactive or batch jobs (resuming from its last chunk).
+    yielded: int = 0
 
 
 class WorkOrder(BaseModel):
@@ -97,6 +204,9 @@ class WorkOrder(BaseModel):
     stop: list[str]
     # Jobs with different namespaces never share cached or in-memory prefixes.
     cache_namespace: str | None = None
+    # The document the prompt was rendered from: workers record its use, and the warmer
+    # re-warms documents that are used often (rendering them again for whatever model runs).
+    document: DocumentFields | None = None
 
 
 class Usage(BaseModel):
@@ -125,6 +235,7 @@ class JobView(BaseModel):
     """A job as the API shows it."""
 
     id: str
+    kind: Literal["generate", "warm"] = "generate"
     status: JobStatus
     queue: str
     created_at: float
@@ -132,6 +243,7 @@ class JobView(BaseModel):
     finished_at: float | None = None
     attempts: int = 0
     result: JobResult | None = None
+    warm: WarmResult | None = None
     usage: Usage = Usage()
     timings: Timings = Timings()
     error: str | None = None

@@ -91,6 +91,15 @@ return current
 """
 
 
+# KEYS: job. ARGV: progress json. A started job goes back to queued (it stepped aside for
+# other work), unless it was cancelled meanwhile. Returns 1 when requeued.
+_REQUEUE = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'started' then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'queued', 'warm', ARGV[1])
+return 1
+"""
+
+
 class Scripts:
     """Registered once per connection; calls run by SHA (EVALSHA)."""
 
@@ -99,6 +108,7 @@ class Scripts:
         self._emit_tokens = redis.register_script(_EMIT_TOKENS)
         self._finish = redis.register_script(_FINISH)
         self._cancel = redis.register_script(_CANCEL)
+        self._requeue = redis.register_script(_REQUEUE)
 
     def start(self, keys: tuple[str, str], now_s: float) -> int:
         return int(self._start(keys=list(keys), args=[now_s]))
@@ -124,3 +134,6 @@ class Scripts:
         if previous is None:
             return None
         return previous.decode() if isinstance(previous, bytes) else str(previous)
+
+    def requeue(self, job_key: str, progress: str) -> bool:
+        return bool(self._requeue(keys=[job_key], args=[progress]))

@@ -60,8 +60,34 @@ class CacheSettings(BaseModel):
     min_tokens: int = Field(32, ge=1)
 
 
+class WarmSpec(BaseModel):
+    """A declared prefix family: documents introduced the same way as real requests do."""
+
+    model_config = {"extra": "forbid"}
+
+    name: str
+    # The same `instructions` and `template` the requests for these documents send.
+    instructions: str | None = None
+    template: str | None = None
+    # Files or glob patterns; relative ones from the spec file's directory (or the cwd).
+    documents: list[str] = Field(min_length=1)
+
+
 class WarmerSettings(BaseModel):
+    # Cron: 5 fields (minute hour day month weekday), or 6 with seconds first.
     schedule: str = "0 3 * * *"
+    # IANA name; None: the machine's local time zone.
+    timezone: str | None = None
+    # A run the scheduler could not start on time still starts if at most this late.
+    misfire_grace_s: int = Field(6 * 3600, gt=0)
+    # A warmer that was down when a run was due runs once at start (however many it missed).
+    catch_up: bool = True
+    specs: list[WarmSpec] = Field(default_factory=list)
+    # Every *.toml file here is one spec (its `name` defaults to the file name).
+    spec_dir: Path | None = None
+    # Each run also re-warms the most used document prefixes learned from traffic.
+    learned_top_k: int = Field(20, ge=0)
+    learned_min_uses: int = Field(2, ge=1)
 
 
 class Settings(BaseSettings):

@@ -17,12 +17,13 @@ from shared.codec import JsonSerializer
 from shared.errors import ContextOverflow, InvalidRequest
 from shared.job_store import JobStore
 from shared.llm import render_prompt, tokenize
-from shared.schemas import JobRequest, JobView, WorkOrder
+from shared.schemas import DocumentFields, JobRequest, JobView, WorkOrder
 from shared.settings import Settings
 
 # rq imports the job function by name, so the API never imports the worker (or its model).
 RUN_JOB = "worker.tasks.run_job"
 ON_FAILURE = Callback("worker.tasks.on_job_failure")
+DOCUMENT_FIELDS = set(DocumentFields.model_fields)
 
 
 def queue(redis: Redis, name: str) -> Queue:
@@ -35,7 +36,7 @@ def work_order_for(
     """Render and count the prompt; refuse one that leaves no room in the context window."""
     prompt = render_prompt(tokenizer, request)
     n_prompt = len(tokenize(tokenizer, prompt))
-    field = "prompt" if request.prompt is not None else "messages"
+    field = "document" if request.document else "prompt" if request.prompt else "messages"
     if n_prompt == 0:
         raise InvalidRequest(f"{field} is empty: there is nothing to generate from", field=field)
     if n_prompt >= n_ctx:
@@ -53,6 +54,9 @@ def work_order_for(
         # A fixed seed makes a re-run after a worker crash repeat the tokens already sent.
         seed=request.seed if request.seed is not None else secrets.randbelow(2**32),
         stop=request.stop,
+        document=DocumentFields.model_validate(request.model_dump(include=DOCUMENT_FIELDS))
+        if request.document is not None
+        else None,
     )
 
 

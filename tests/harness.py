@@ -53,10 +53,10 @@ class Stack:
     def url(self) -> str:
         return f"http://{self.settings.api.host}:{self.settings.api.port}"
 
-    def _spawn(self, name: str, command: str) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, *command: str) -> subprocess.Popen[bytes]:
         log = (self.log_dir / f"{name}.log").open("wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", command],
+            [sys.executable, "-m", "shared.cli", *command],
             env=settings_env(self.settings),
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -75,6 +75,9 @@ class Stack:
         before = client.scard("rq:workers")
         _wait_for(lambda: client.scard("rq:workers") > before, what=f"{name} to register")
         return proc
+
+    def start_warmer(self, *args: str, name: str = "warmer") -> subprocess.Popen[bytes]:
+        return self._spawn(name, "warmer", *args)
 
     def stop_process(self, name: str) -> None:
         """SIGTERM and wait: a worker finishes its job and writes pending snapshots first."""

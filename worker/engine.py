@@ -15,10 +15,19 @@ from dataclasses import dataclass
 import llama_cpp
 from llama_cpp import Llama
 
-from shared.llm import tokenize
+from shared.errors import CacheDisabled, ContextOverflow
+from shared.llm import render_warm, tokenize_parts
 from shared.prefix_cache import PrefixCache, restorable_tokens
 from shared.prefix_keys import common_prefix_len
-from shared.schemas import FinishReason, JobResult, Timings, Usage, WorkOrder
+from shared.schemas import (
+    FinishReason,
+    JobResult,
+    Timings,
+    Usage,
+    WarmOrder,
+    WarmResult,
+    WorkOrder,
+)
 from worker import kv_state
 from worker.prefix_saver import PrefixSaver
 from worker.text_stream import TextStream
@@ -34,6 +43,24 @@ class Generation:
     result: JobResult
     usage: Usage
     timings: Timings
+    # Where the prompt's declared shared prefix (a document) ends, if it has one.
+    prefix_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    tokens: list[int]
+    # Extra chunk ends: where a declared shared prefix ends.
+    breaks: tuple[int, ...]
+
+    @property
+    def limit(self) -> int:
+        """Prefill stops here: the last prompt token is decoded with the first sample."""
+        return len(self.tokens) - 1
+
+
+def _breaks(boundary: int | None, limit: int) -> tuple[int, ...]:
+    return (boundary,) if boundary is not None and 0 < boundary < limit else ()
 
 
 class Engine:
@@ -57,8 +84,10 @@ class Engine:
         self._min_snapshot_tokens = min_snapshot_tokens
         self._vocab = llama_cpp.llama_model_get_vocab(llama.model)
         self.truncatable = memory_is_truncatable(llama)
-        # Memory cells before this position were computed by canonical chunks.
+        # Memory cells before this position were computed by canonical chunks, with these
+        # extra chunk ends.
         self._prefilled = 0
+        self._breaks: tuple[int, ...] = ()
 
     @property
     def n_ctx(self) -> int:
@@ -73,18 +102,16 @@ class Engine:
         """Drop everything held in memory: the next job starts cold (or from disk)."""
         self.llama.reset()
         self._prefilled = 0
+        self._breaks = ()
 
     def generate(self, order: WorkOrder, on_token: OnToken) -> Generation:
         started = time.perf_counter()
         cache = self._enter_namespace(order.cache_namespace)
-        tokens = tokenize(self.llama, order.prompt)
-        cached = self._reuse_memory(tokens)
-        restore_ms = None
-        if cache is not None and cached < len(tokens) - 1:
-            cached = self._restore(cache, tokens, cached)
-            restore_ms = (time.perf_counter() - started) * 1000
+        tokens, boundary = tokenize_parts(self.llama, order.prompt)
+        prompt = _Prompt(tokens, _breaks(boundary, len(tokens) - 1))
+        cached, restore_ms = self._load_prefix(cache, prompt, started)
         prefill_started = time.perf_counter()
-        self._prefill(cache, tokens, cached)
+        self._prefill(cache, prompt, cached, prompt.limit)
         max_tokens = min(order.max_tokens, self.n_ctx - len(tokens))
         decoded = self._decode(tokens[-1:], order, max_tokens, on_token)
         return Generation(
@@ -95,7 +122,47 @@ class Engine:
                 completion_tokens=decoded.count,
             ),
             timings=decoded.timings(started, prefill_started, restore_ms),
+            prefix_tokens=boundary,
         )
+
+    def warm(self, order: WarmOrder, should_yield: Callable[[], bool]) -> WarmResult:
+        """Compute a prefix and write its state to the cache, unless it is there already.
+
+        A document is computed up to its end, anything else up to its last-but-one token:
+        exactly the state a later request restores in full. Between chunks `should_yield` is
+        asked whether other work is waiting; if so the job stops at that chunk's end (whose
+        state is saved, so running it again resumes there).
+        """
+        cache = self._enter_namespace(order.cache_namespace)
+        if cache is None:
+            raise CacheDisabled("the prefix cache is disabled: there is nowhere to warm into")
+        tokens, boundary = tokenize_parts(self.llama, render_warm(self.llama, order.item))
+        limit = len(tokens) - 1
+        if len(tokens) >= self.n_ctx:
+            raise ContextOverflow(f"the prefix is {len(tokens)} tokens; n_ctx is {self.n_ctx}")
+        prompt = _Prompt(tokens, _breaks(boundary, limit))
+        target = boundary if boundary is not None else limit
+        cached, _ = self._load_prefix(cache, prompt, time.perf_counter())
+        reached = self._prefill(cache, prompt, cached, target, should_yield)
+        if self._saver is not None:
+            self._saver.flush()  # "warmed" means a request arriving now finds it on disk
+        return WarmResult(
+            prefix_tokens=target,
+            cached_tokens=min(cached, target),
+            warmed_tokens=max(reached - cached, 0),
+            already_cached=cached >= target,
+            yielded=int(reached < target),
+        )
+
+    def _load_prefix(
+        self, cache: PrefixCache | None, prompt: _Prompt, started: float
+    ) -> tuple[int, float | None]:
+        """Keep or restore the longest usable prefix; returns (tokens held, restore ms)."""
+        cached = self._reuse_memory(prompt)
+        if cache is None or cached >= prompt.limit:
+            return cached, None
+        cached = self._restore(cache, prompt, cached)
+        return cached, (time.perf_counter() - started) * 1000
 
     def _enter_namespace(self, namespace: str | None) -> PrefixCache | None:
         """The cache for this job's namespace; memory is never shared across namespaces."""
@@ -108,64 +175,98 @@ class Engine:
             self._namespaced[namespace] = self.cache.namespaced(namespace)
         return self._namespaced[namespace]
 
-    def _reuse_memory(self, tokens: list[int]) -> int:
+    def _reuse_memory(self, prompt: _Prompt) -> int:
         """Keep the cells shared with the previous prompt; returns how many tokens were kept.
 
         Only cells from the previous prefill count (the last prompt token and the generated
         ones were decoded one at a time), under the same rule as restoring from disk.
         """
         llama = self.llama
-        common = common_prefix_len(llama._input_ids[: self._prefilled].tolist(), tokens)
+        common = common_prefix_len(llama._input_ids[: self._prefilled].tolist(), prompt.tokens)
         kept = restorable_tokens(
-            common, self._prefilled, len(tokens) - 1, self.chunk_tokens, self.truncatable
+            common,
+            self._prefilled,
+            prompt.limit,
+            self.chunk_tokens,
+            self.truncatable,
+            prompt.breaks,
+            self._breaks,
         )
         # Memory also holds the previous answer: only a plain-attention memory can drop it.
         if not self.truncatable:
             kept = 0
         if kept == 0:
-            llama.reset()
+            self.forget()
         else:
             # Llama.eval drops every cell from n_tokens on before it decodes.
             llama.n_tokens = kept
         return kept
 
-    def _restore(self, cache: PrefixCache, tokens: list[int], in_memory: int) -> int:
+    def _restore(self, cache: PrefixCache, prompt: _Prompt, in_memory: int) -> int:
         """Restore the longest cached prefix from disk if it beats what memory holds."""
-        hit = cache.lookup(tokens, min_tokens=in_memory + 1)
+        hit = cache.lookup(prompt.tokens, min_tokens=in_memory + 1, breaks=prompt.breaks)
         if hit is None or hit.n_tokens <= in_memory:
             return in_memory
-        if kv_state.restore(self.llama, hit.state, tokens, hit.n_tokens):
+        if kv_state.restore(self.llama, hit.state, prompt.tokens, hit.n_tokens):
+            self._breaks = ()  # a state on disk ends at its only break
             return hit.n_tokens
         log.warning("cached state %s did not load into this context; prefilling", hit.key)
-        self.llama.reset()
-        self._prefilled = 0
+        self.forget()
         return 0
 
-    def _prefill(self, cache: PrefixCache | None, tokens: list[int], cached: int) -> None:
-        """Decode the prompt up to its last token in canonical chunks; snapshot for the cache.
+    def _prefill(
+        self,
+        cache: PrefixCache | None,
+        prompt: _Prompt,
+        start: int,
+        end: int,
+        should_yield: Callable[[], bool] | None = None,
+    ) -> int:
+        """Decode prompt tokens [start, end) in canonical chunks; snapshot for the cache.
 
-        Snapshots end at the last-but-one token (an exact repeat restores all of it) and, for
-        memories that cannot be cut back, also at the last block boundary before it (so a
-        longer prompt sharing this one's start still finds a usable state).
+        Returns where it stopped: `end`, or an earlier chunk end when `should_yield` said so.
         """
-        end = len(tokens) - 1
-        snapshots = self._snapshot_points(cached, end) if cache is not None else set()
-        position = cached
+        snapshots = self._snapshot_points(prompt, start, end) if cache is not None else set()
+        position = start
         while position < end:
-            chunk_end = min(position - position % self.chunk_tokens + self.chunk_tokens, end)
-            self.llama.eval(tokens[position:chunk_end])
-            position = chunk_end
-            if position in snapshots and cache is not None and self._saver is not None:
-                self._saver.submit(cache, tokens[:position], kv_state.capture(self.llama))
-        self._prefilled = end
+            position = self._eval_chunk(prompt, position, end)
+            if position in snapshots or (position < end and should_yield and should_yield()):
+                self._snapshot(cache, prompt.tokens[:position])
+                if position not in snapshots:
+                    break
+        self._prefilled = position
+        self._breaks = tuple(b for b in prompt.breaks if b <= position)
+        return position
 
-    def _snapshot_points(self, cached: int, end: int) -> set[int]:
+    def _eval_chunk(self, prompt: _Prompt, position: int, end: int) -> int:
+        chunk_end = min(
+            position - position % self.chunk_tokens + self.chunk_tokens,
+            end,
+            *(b for b in prompt.breaks if b > position),
+        )
+        self.llama.eval(prompt.tokens[position:chunk_end])
+        return chunk_end
+
+    def _snapshot(self, cache: PrefixCache | None, tokens: list[int]) -> None:
+        if cache is None or self._saver is None or len(tokens) < self._min_snapshot_tokens:
+            return
+        self._saver.submit(cache, tokens, kv_state.capture(self.llama))
+
+    def _snapshot_points(self, prompt: _Prompt, start: int, end: int) -> set[int]:
+        """Where a prefill saves states: at the declared prefix end if there is one, else at
+        the last-but-one token; plus, for memories that cannot be cut back, the last block
+        boundary before it (so a longer prompt sharing this one's start finds a usable state).
+
+        A saved state never holds a break inside it: what follows a break was computed in
+        chunks only prompts with the same break share.
+        """
         if self._saver is None:
             return set()
-        points = {end}
+        first = min(prompt.breaks, default=end)
+        points = {first}
         if not self.truncatable:
-            points.add(end - end % self.chunk_tokens)
-        return {p for p in points if p > cached and p >= self._min_snapshot_tokens}
+            points.add(first - first % self.chunk_tokens)
+        return {p for p in points if start < p <= end and p >= self._min_snapshot_tokens}
 
     def _decode(
         self, fresh: list[int], order: WorkOrder, max_tokens: int, on_token: OnToken

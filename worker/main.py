@@ -10,6 +10,7 @@ from shared.llm import load_llama
 from shared.prefix_cache import open_cache
 from shared.redis_server import connect
 from shared.settings import Settings
+from shared.warm_runs import WarmRuns
 from worker import tasks
 from worker.engine import Engine, memory_is_truncatable
 from worker.prefix_saver import PrefixSaver
@@ -36,7 +37,8 @@ def run_worker(settings: Settings) -> None:
     store = JobStore(redis, settings.jobs.result_ttl_s)
     counters = CounterPublisher(redis, engine.cache) if engine.cache is not None else None
     interval_s = settings.worker.stream_interval_ms / 1000
-    tasks.bind(tasks.Runtime(engine, redis, store, interval_s, counters))
+    warm_runs = WarmRuns(redis, store, settings)
+    tasks.bind(tasks.Runtime(engine, redis, store, warm_runs, interval_s, counters))
     try:
         GranaryWorker(redis, settings.worker).work(logging_level=settings.log_level)
     finally:

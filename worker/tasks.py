@@ -11,11 +11,15 @@ import logging
 from redis import Redis
 from rq.job import Job
 
+from shared import keys
 from shared.cache_counters import CounterPublisher
 from shared.job_metrics import record_job
 from shared.job_store import JobStore
-from shared.schemas import JobStatus
-from worker.engine import Engine
+from shared.prefix_usage import PrefixUsage
+from shared.schemas import JobStatus, WarmOrder, WarmResult, WorkOrder
+from shared.submission import queue
+from shared.warm_runs import WarmRuns
+from worker.engine import Engine, Generation
 from worker.token_publisher import TokenPublisher
 
 log = logging.getLogger(__name__)
@@ -29,12 +33,15 @@ class Runtime:
         engine: Engine,
         redis: Redis,
         store: JobStore,
+        warm_runs: WarmRuns,
         stream_interval_s: float,
         counters: CounterPublisher | None = None,
     ) -> None:
         self.engine = engine
         self._redis = redis
         self.store = store
+        self._warm_runs = warm_runs
+        self._usage = PrefixUsage(redis)
         self._stream_interval_s = stream_interval_s
         self._counters = counters
 
@@ -47,7 +54,7 @@ class Runtime:
         view = store.get(job_id)
         queued_ms = ((view.started_at or view.created_at) - view.created_at) * 1000
         try:
-            order = store.order(job_id)
+            order = store.order(job_id, WorkOrder)
             with TokenPublisher(store, job_id, self._stream_interval_s) as publisher:
                 generation = self.engine.generate(order, publisher.put)
         except Exception as exc:  # a job's failure must never take the worker down
@@ -65,8 +72,64 @@ class Runtime:
             timings=timings,
         )
         record_job(self._redis, generation.usage, timings)
+        self._record_prefix_use(order, generation)
         if self._counters is not None:
             self._counters.publish()
+
+    def _record_prefix_use(self, order: WorkOrder, generation: Generation) -> None:
+        if order.document is None or generation.prefix_tokens is None:
+            return
+        hit = generation.usage.cached_tokens >= generation.prefix_tokens
+        self._usage.record(order.document, order.cache_namespace, hit=hit)
+
+    def warm(self, job_id: str) -> None:
+        """Run a warm job; if other work arrives it steps aside and is queued again."""
+        store = self.store
+        if not store.start(job_id):
+            return
+        order = store.order(job_id, WarmOrder)
+        before = store.get(job_id).warm
+        try:
+            outcome = self.engine.warm(order, lambda: self._should_yield(job_id))
+        except Exception as exc:
+            log.exception("warm job %s failed", job_id)
+            self.engine.forget()
+            store.finish(job_id, JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
+            self._warm_runs.done(order.item, order.cache_namespace)
+            return
+        result = _accumulate(before, outcome)
+        if outcome.yielded and store.requeue(job_id, result):
+            done = result.cached_tokens + result.warmed_tokens
+            log.info(
+                "warm job %s steps aside at %d of %d tokens", job_id, done, result.prefix_tokens
+            )
+            self._warm_runs.enqueue(job_id, resume=result.yielded)
+            return
+        status = JobStatus.CANCELLED if outcome.yielded else JobStatus.FINISHED
+        store.finish(job_id, status, warm=result)
+        self._redis.hincrby(keys.metrics_counters(), "warm_tokens", result.warmed_tokens)
+        self._warm_runs.done(order.item, order.cache_namespace)
+        if self._counters is not None:
+            self._counters.publish()
+
+    def _should_yield(self, job_id: str) -> bool:
+        """Between chunks of warm prefill: is anyone waiting, or was the job cancelled?"""
+        waiting = any(queue(self._redis, name).count for name in keys.QUEUES[:-1])
+        return waiting or self.store.cancel_requested(job_id)
+
+
+def _accumulate(before: WarmResult | None, now: WarmResult) -> WarmResult:
+    """A warm job that stepped aside reports its totals across every turn it ran."""
+    if before is None:
+        return now
+    return now.model_copy(
+        update={
+            "cached_tokens": before.cached_tokens,
+            "warmed_tokens": before.warmed_tokens + now.warmed_tokens,
+            "already_cached": False,
+            "yielded": before.yielded + now.yielded,
+        }
+    )
 
 
 _runtime: Runtime | None = None
@@ -87,13 +150,18 @@ def run_job(job_id: str) -> None:
     _bound().run(job_id)
 
 
+def run_warm(job_id: str) -> None:
+    _bound().warm(job_id)
+
+
 def on_job_failure(job: Job, _connection: Redis, *exc_info: object) -> None:
     """rq calls this when a job failed outside `run_job`: its worker died mid-job.
 
     While retries remain rq re-queues the job; after the last one the job is failed for good,
     so clients waiting on its events are told instead of waiting forever.
     """
+    job_id = str(job.args[0]) if job.args else job.id  # a resumed warm job has its own rq id
     if job.retries_left:
-        log.warning("job %s was abandoned by a dead worker; it will be re-run", job.id)
+        log.warning("job %s was abandoned by a dead worker; it will be re-run", job_id)
         return
-    _bound().store.finish(job.id, JobStatus.FAILED, error="the worker running this job died")
+    _bound().store.finish(job_id, JobStatus.FAILED, error="the worker running this job died")

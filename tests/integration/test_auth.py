@@ -27,7 +27,8 @@ def submit(stack: Stack, key: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def wait(stack: Stack, key: str, job_id: str) -> dict[str, Any]:
-    with httpx.stream("GET", f"{stack.url}/v1/jobs/{job_id}/events", headers=bearer(key)) as r:
+    url = f"{stack.url}/v1/jobs/{job_id}/events"
+    with httpx.stream("GET", url, headers=bearer(key), timeout=120) as r:
         for _ in r.iter_lines():
             pass
     job: dict[str, Any] = httpx.get(f"{stack.url}/v1/jobs/{job_id}", headers=bearer(key)).json()
@@ -49,6 +50,9 @@ def test_every_v1_route_needs_a_valid_key(stack_factory: Callable[..., Stack]) -
         ("GET", "/v1/models"),
         ("POST", "/v1/completions"),
         ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/warm"),
+        ("GET", "/v1/warm/runs"),
+        ("GET", "/v1/warm/runs/x"),
     ]
     for method, path in routes:
         for headers in (
@@ -96,3 +100,23 @@ def test_per_key_cache_namespace(stack_factory: Callable[..., Stack]) -> None:
     assert other["usage"]["cached_tokens"] == 0  # k2 cannot use what k1 computed
     assert again["usage"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1
     assert first["result"] == other["result"] == again["result"]
+
+
+def test_a_key_warms_into_its_own_namespace_and_sees_only_its_runs(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    stack = stack_factory(
+        api_keys=["k1", "k2"], cache={"per_key": True, "block_tokens": 64, "min_tokens": 16}
+    )
+    body = {"document": DOC, "instructions": "Be brief."}
+    run = httpx.post(f"{stack.url}/v1/warm", json=body, headers=bearer("k1")).json()
+    assert wait(stack, "k1", run["jobs"][0]["id"])["status"] == "finished"
+    url = f"{stack.url}/v1/warm/runs"
+    assert httpx.get(f"{url}/{run['id']}", headers=bearer("k2")).status_code == 404
+    assert httpx.get(url, headers=bearer("k2")).json() == []
+    assert [r["id"] for r in httpx.get(url, headers=bearer("k1")).json()] == [run["id"]]
+    question = {**body, "prompt": "How many invoices?", "max_tokens": 2, "temperature": 0}
+    mine = wait(stack, "k1", submit(stack, "k1", question)["id"])
+    theirs = wait(stack, "k2", submit(stack, "k2", question)["id"])
+    assert mine["usage"]["cached_tokens"] > 0  # the whole document, warmed for k1
+    assert theirs["usage"]["cached_tokens"] == 0

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import orjson
-from httpx_sse import connect_sse
+from httpx_sse import ServerSentEvent, connect_sse
 
 from tests.harness import Stack
 
@@ -25,6 +25,12 @@ def submit(stack: Stack, body: dict[str, Any], **headers: str) -> dict[str, Any]
     return job
 
 
+def is_keepalive(sse: ServerSentEvent) -> bool:
+    """The API's `: ping` comment, which httpx-sse delivers as an empty "message" once an event
+    id has been seen."""
+    return sse.event == "message" and not sse.data
+
+
 def events(
     stack: Stack, job_id: str, last_event_id: str | None = None
 ) -> list[tuple[str, str, dict[str, Any]]]:
@@ -36,6 +42,8 @@ def events(
         connect_sse(client, "GET", f"{stack.url}/v1/jobs/{job_id}/events", headers=headers) as src,
     ):
         for sse in src.iter_sse():
+            if is_keepalive(sse):
+                continue
             assert sse.data, (sse.event, sse.id, sse.retry)
             out.append((sse.event, sse.id, orjson.loads(sse.data)))
             if sse.event in ("done", "error"):
@@ -61,7 +69,8 @@ def first_tokens(stack: Stack, job_id: str, count: int) -> None:
         httpx.Client(timeout=60) as client,
         connect_sse(client, "GET", f"{stack.url}/v1/jobs/{job_id}/events") as src,
     ):
-        for seen, sse in enumerate(src.iter_sse(), start=1):
+        tokens = (sse for sse in src.iter_sse() if not is_keepalive(sse))
+        for seen, sse in enumerate(tokens, start=1):
             assert sse.event == "token", sse.data
             if seen >= count:
                 return

@@ -8,7 +8,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import Stack
-from tests.integration.test_job_path import events, submit
+from tests.integration.test_job_path import events, submit, wait_status
 
 DOC = " ".join(f"Invoice {i}: {i * 3 % 17} boxes of tea shipped to Lyon." for i in range(30))
 
@@ -59,3 +59,15 @@ def test_cancelled_queued_job_is_counted(stack_factory: Callable[..., Stack]) ->
     httpx.delete(f"{stack.url}/v1/jobs/{job['id']}")
     after = scrape(stack)
     assert after["granary_jobs_total{status=cancelled}"] == 1
+
+
+def test_metrics_reflect_a_warm_run(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory(cache={"block_tokens": 64, "min_tokens": 16})
+    assert scrape(stack)["granary_warm_runs_total{trigger=manual}"] == 0
+    run = httpx.post(f"{stack.url}/v1/warm", json={"document": DOC}).json()
+    job = wait_status(stack, run["jobs"][0]["id"], {"finished"})
+    after = scrape(stack)
+    assert after["granary_warm_runs_total{trigger=manual}"] == 1
+    assert after["granary_warm_runs_total{trigger=schedule}"] == 0
+    assert after["granary_warm_tokens_total{}"] == job["warm"]["warmed_tokens"] > 0
+    assert after["granary_cache_bytes_written_total{}"] > 0

@@ -6,14 +6,14 @@ runs use an engine without a cache.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from shared.llm import load_llama
 from shared.prefix_cache import PrefixCache, open_cache
-from shared.schemas import JobRequest
+from shared.schemas import JobRequest, WarmItem, WarmOrder, WarmResult
 from shared.settings import Settings
 from shared.submission import work_order_for
 from tests.conftest import DATA_DIR
@@ -116,3 +116,70 @@ def _blobs(cache: PrefixCache) -> Iterator[bytes]:
         decoded = decode_blob(data, cache.fingerprint)
         assert decoded is not None
         yield decoded[2]
+
+
+# --- documents: a declared shared prefix, warmed ahead or left by an earlier question ---------
+
+INSTRUCTIONS = "Answer from the document only, briefly."
+# Ends mid-block on every model: the whole document must still be restorable.
+QUESTIONS = ["Which crates belong to shop 3?", "How many pears are in crate 5?"]
+SAMPLED = {"temperature": 0.9, "top_p": 0.9, "seed": 7}
+
+
+def ask(models: Models, engine: Engine, question: str, **sampling: object) -> Generation:
+    engine.forget()
+    body = {"temperature": 0, **sampling}
+    request = JobRequest.model_validate(
+        {"document": DOC, "instructions": INSTRUCTIONS, "prompt": question, "max_tokens": 24} | body
+    )
+    order = work_order_for(models.llama, request, n_ctx=1024, default_max_tokens=24)
+    generation = engine.generate(order, lambda _i, _t: False)
+    models.saver.flush()
+    return generation
+
+
+def warm(models: Models, should_yield: Callable[[], bool] = lambda: False) -> WarmResult:
+    models.warm.forget()
+    item = WarmItem(document=DOC, instructions=INSTRUCTIONS)
+    return models.warm.warm(WarmOrder(item=item), should_yield)
+
+
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_warmed_document_restores_in_full_and_answers_as_cold(
+    models: Models, sampling: dict[str, object]
+) -> None:
+    models.cache.clear()
+    result = warm(models)
+    assert not result.already_cached and result.warmed_tokens == result.prefix_tokens
+    assert result.prefix_tokens % BLOCK != 0  # the case block-aligned restores would cut short
+    for question in QUESTIONS:
+        cold = ask(models, models.cold, question, **sampling)
+        hot = ask(models, models.warm, question, **sampling)
+        assert hot.usage.cached_tokens == result.prefix_tokens == hot.prefix_tokens
+        assert hot.result.text == cold.result.text
+
+
+def test_a_question_leaves_the_document_for_the_next(models: Models) -> None:
+    models.cache.clear()
+    first = ask(models, models.warm, QUESTIONS[0])
+    assert first.usage.cached_tokens == 0
+    second = ask(models, models.warm, QUESTIONS[1])
+    assert second.usage.cached_tokens == first.prefix_tokens
+    assert second.result.text == ask(models, models.cold, QUESTIONS[1]).result.text
+    # The warmer finds it there: nothing to compute.
+    again = warm(models)
+    assert again.already_cached and again.warmed_tokens == 0
+
+
+def test_a_warm_job_that_steps_aside_resumes_where_it_stopped(models: Models) -> None:
+    models.cache.clear()
+    asked: list[int] = []
+    first = warm(models, lambda: asked.append(1) is None)  # someone is always waiting
+    assert first.yielded == 1 and len(asked) == 1
+    assert 0 < first.warmed_tokens < first.prefix_tokens  # stopped after one chunk
+    second = warm(models)
+    assert second.cached_tokens == first.warmed_tokens and not second.already_cached
+    assert second.cached_tokens + second.warmed_tokens == second.prefix_tokens
+    hot = ask(models, models.warm, QUESTIONS[0])
+    assert hot.usage.cached_tokens == second.prefix_tokens
+    assert hot.result.text == ask(models, models.cold, QUESTIONS[0]).result.text

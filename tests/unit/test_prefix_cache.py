@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shared.blob_store import BlobEntry, BlobStat, BlobStore, DirectoryBlobStore, MemoryBlobStore
-from shared.prefix_cache import CacheHit, PrefixCache, encode_blob
+from shared.prefix_cache import CacheHit, PrefixCache, encode_blob, restorable_tokens
 from shared.prefix_keys import prefix_key
 
 FP = "f00dfeed"
@@ -257,6 +257,41 @@ def test_usable_table(
     common: int, blob_tokens: int, limit: int, truncatable: bool, expected: int
 ) -> None:
     assert make_cache(truncatable=truncatable).usable(common, blob_tokens, limit) == expected
+
+
+@pytest.mark.parametrize(
+    ("common", "stored", "limit", "breaks", "stored_breaks", "truncatable", "expected"),
+    [
+        (20, 20, 25, (20,), (), True, 20),  # a document's state, ending mid-block at its end
+        (20, 20, 25, (20,), (), False, 20),
+        (20, 20, 25, (), (), True, 16),  # the same state, a prompt without that break
+        (22, 24, 25, (20,), (20,), True, 20),  # memory: cut back to a shared break
+        (22, 24, 25, (20,), (20,), False, 0),
+        (22, 24, 25, (), (20,), True, 16),  # memory past a break this prompt lacks
+        (22, 24, 25, (12,), (20,), True, 8),  # the prompt breaks where the state did not
+        (22, 24, 25, (21,), (20,), True, 16),
+        (18, 24, 25, (20,), (20,), True, 16),  # diverges before the break
+    ],
+)
+def test_usable_with_breaks(
+    common: int,
+    stored: int,
+    limit: int,
+    breaks: tuple[int, ...],
+    stored_breaks: tuple[int, ...],
+    truncatable: bool,
+    expected: int,
+) -> None:
+    got = restorable_tokens(common, stored, limit, B, truncatable, breaks, stored_breaks)
+    assert got == expected
+
+
+def test_lookup_restores_a_document_prefix_ending_mid_block() -> None:
+    cache = saved(False, P)  # 20 tokens: a document prefix, block size 8
+    prompt = [*P, 7, 8, 9]
+    assert cache.lookup(prompt) is None  # without the break: the cold run chunks differently
+    hit = cache.lookup(prompt, breaks=(20,))
+    assert hit is not None and hit.n_tokens == 20
 
 
 @pytest.mark.parametrize("truncatable", [True, False])

@@ -46,3 +46,10 @@ def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
         load_settings()
     with pytest.raises(FileNotFoundError):
         load_settings(tmp_path / "missing.toml")
+
+
+def test_the_deploy_example_config_loads() -> None:
+    from tests.harness import REPO
+
+    settings = load_settings(REPO / "deploy" / "granary.example.toml")
+    assert settings.warmer.schedule == "0 3 * * *" and settings.warmer.catch_up

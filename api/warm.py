@@ -1,0 +1,56 @@
+"""`/v1/warm`: pre-compute prefixes now, and see what every warm run did."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from api.auth import authenticate, owner_of
+from api.state import AppState, state_of
+from shared.errors import CacheDisabled, ContextOverflow
+from shared.llm import render_warm, tokenize
+from shared.schemas import WarmItem, WarmRequest
+from shared.warm_runs import WarmRunView
+
+router = APIRouter(prefix="/v1/warm", tags=["warm"], dependencies=[Depends(authenticate)])
+
+
+@router.post("", status_code=202, response_model=WarmRunView)
+def warm(body: WarmRequest, request: Request) -> WarmRunView:
+    """Queue warm jobs for a prompt, messages, a document or `documents`; returns the run.
+
+    Its jobs report, when finished, the prefix length, how much was cached already and how
+    much was computed; poll `GET /v1/warm/runs/{id}`.
+    """
+    state = state_of(request)
+    if state.cache is None:
+        raise CacheDisabled("the prefix cache is disabled (cache.enabled): nothing to warm")
+    items = body.items()
+    for item in items:
+        _check_fits(state, item)
+    owner = owner_of(request)
+    namespace = owner if state.settings.cache.per_key else None
+    return state.warm_runs.start([(item, namespace) for item in items], "manual", owner=owner)
+
+
+def _check_fits(state: AppState, item: WarmItem) -> None:
+    n_tokens = len(tokenize(state.tokenizer, render_warm(state.tokenizer, item)))
+    n_ctx = state.settings.n_ctx
+    if n_tokens >= n_ctx:
+        field = "document" if item.document is not None else "prompt"
+        label = item.name or field
+        raise ContextOverflow(
+            f"{label} is {n_tokens} tokens; the context window is {n_ctx} tokens", field=field
+        )
+
+
+@router.get("/runs", response_model=list[WarmRunView])
+def runs(request: Request, limit: int = Query(20, ge=1, le=100)) -> list[WarmRunView]:
+    """Recent warm runs, newest first (scheduled, caught up, and requested here)."""
+    state = state_of(request)
+    runs = state.warm_runs.recent(owner_of(request), limit)
+    return [run.model_copy(update={"jobs": []}) for run in runs]
+
+
+@router.get("/runs/{run_id}", response_model=WarmRunView)
+def run(run_id: str, request: Request) -> WarmRunView:
+    return state_of(request).warm_runs.get(run_id, owner_of(request))

@@ -1,0 +1,152 @@
+"""The warmer and warm jobs through the whole stack: real processes, Redis and SmolLM2."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from shared import keys
+from shared.job_store import JobStore
+from shared.settings import Settings
+from shared.warm_runs import WarmRuns, WarmRunView
+from tests.harness import Stack
+from tests.integration.test_job_path import events, submit, wait_status
+
+CACHE = {"block_tokens": 64, "min_tokens": 16}
+INSTRUCTIONS = "Answer from the invoice only."
+INVOICE = " ".join(
+    f"Line {i}: {i * 3 % 17} boxes of tea, {i * 7 % 11} EUR each." for i in range(30)
+)
+QUESTION = {"instructions": INSTRUCTIONS, "prompt": "What is the total?", "max_tokens": 8}
+
+
+def ask(stack: Stack, document: str, **extra: Any) -> dict[str, Any]:
+    body = {**QUESTION, "document": document, "temperature": 0, **extra}
+    final = events(stack, submit(stack, body)["id"])[-1][2]
+    assert final["status"] == "finished", final
+    return final
+
+
+def warm_runs(stack: Stack) -> list[dict[str, Any]]:
+    response = httpx.get(f"{stack.url}/v1/warm/runs")
+    assert response.status_code == 200, response.text
+    runs: list[dict[str, Any]] = response.json()
+    return runs
+
+
+def wait_for(check: Callable[[], Any], what: str, timeout_s: float = 90) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return result
+
+
+def finished_runs(stack: Stack) -> list[dict[str, Any]]:
+    return [r for r in warm_runs(stack) if r["finished_at"] is not None]
+
+
+def spec_dir(tmp_path: Path, *documents: str) -> Path:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, text in enumerate(documents):
+        (docs / f"invoice-{i}.txt").write_text(text, encoding="utf-8")
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "invoices.toml").write_text(
+        f'instructions = "{INSTRUCTIONS}"\ndocuments = ["../docs/*.txt"]\n', encoding="utf-8"
+    )
+    return specs
+
+
+def test_a_scheduled_run_warms_the_whole_document(
+    stack_factory: Callable[..., Stack], tmp_path: Path
+) -> None:
+    warmer = {"schedule": "*/3 * * * * *", "spec_dir": spec_dir(tmp_path, INVOICE)}
+    stack = stack_factory(cache=CACHE, warmer=warmer)
+    stack.start_warmer()
+    first = wait_for(lambda: finished_runs(stack), "a scheduled run to finish")[-1]
+    assert first["trigger"] == "schedule" and first["counts"]["finished"] == 1, first
+    prefix = first["prefix_tokens"]
+    assert first["warmed_tokens"] == prefix > 0 and prefix % CACHE["block_tokens"] != 0
+    # A request for that document restores all of it, not just whole blocks.
+    answer = ask(stack, INVOICE)
+    assert answer["usage"]["cached_tokens"] == prefix
+    # Runs keep firing; none computes the document again.
+    later = wait_for(
+        lambda: [r for r in finished_runs(stack) if r["started_at"] > first["finished_at"]],
+        "a run after the first",
+    )[-1]
+    assert later["warmed_tokens"] == 0 and later["already_cached"] == 1, later
+    metrics = httpx.get(f"{stack.url}/metrics").text
+    assert 'granary_warm_runs_total{trigger="schedule"}' in metrics
+    assert f"granary_warm_tokens_total {float(prefix)}" in metrics
+
+
+def test_warm_jobs_step_aside_for_interactive_ones(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory(cache=CACHE, n_ctx=2048)
+    document = INVOICE * 2  # ~1000 tokens: many chunks of warm prefill
+    run = httpx.post(f"{stack.url}/v1/warm", json={"document": document, **_fields()}).json()
+    warm_id = run["jobs"][0]["id"]
+    wait_status(stack, warm_id, {"started"})
+    job = submit(stack, {"prompt": "Say hi.", "max_tokens": 4, "temperature": 0})
+    done = wait_status(stack, job["id"], {"finished"}, timeout_s=60)
+    warm_job = httpx.get(f"{stack.url}/v1/jobs/{warm_id}").json()
+    # The interactive job ran while the warm job was still unfinished: it waited one chunk.
+    assert warm_job["status"] in ("queued", "started"), warm_job
+    assert done["started_at"] < (warm_job["finished_at"] or float("inf"))
+    warm_job = wait_status(stack, warm_id, {"finished"}, timeout_s=300)
+    assert warm_job["warm"]["yielded"] >= 1
+    assert warm_job["warm"]["warmed_tokens"] == warm_job["warm"]["prefix_tokens"]
+    assert ask(stack, document)["usage"]["cached_tokens"] == warm_job["warm"]["prefix_tokens"]
+
+
+def _fields() -> dict[str, str]:
+    return {"instructions": INSTRUCTIONS}
+
+
+def test_learned_prefixes_are_rewarmed_after_eviction(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory(cache=CACHE)
+    ask(stack, INVOICE)
+    prefix = ask(stack, INVOICE, prompt="Which line has the most boxes?")["usage"]["cached_tokens"]
+    assert prefix > 0  # the second question found the document
+    # Evicted: the cache is emptied, and a fresh worker holds nothing in memory.
+    stack.stop_process("worker-1")
+    _clear_cache(stack.settings)
+    stack.start_worker("worker-2")
+    stack.start_warmer("--run-now")
+    run = wait_for(lambda: finished_runs(stack), "the warm run")[-1]
+    assert run["counts"]["finished"] == 1 and run["warmed_tokens"] == prefix, run
+    stack.stop_process("worker-2")  # nothing in memory: only the disk can help
+    stack.start_worker("worker-3")
+    assert ask(stack, INVOICE)["usage"]["cached_tokens"] == prefix
+
+
+def _clear_cache(settings: Settings) -> None:
+    for blob in settings.cache_dir.rglob("*"):
+        if blob.is_file():
+            blob.unlink()
+
+
+def test_a_restarted_warmer_catches_up_once(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory(workers=0, warmer={"schedule": "0 3 * * *"})
+    client = redis.Redis.from_url(stack.settings.redis_url)
+    three_days_ago = datetime.now().astimezone() - timedelta(days=3)
+    client.set(keys.warmer_last_fire(), three_days_ago.isoformat())
+    stack.start_warmer()
+    runs = WarmRuns(client, JobStore(client, 60), stack.settings)
+    first = wait_for(lambda: runs.recent(), "the catch-up run")
+    time.sleep(2)
+    assert [r.trigger for r in runs.recent()] == ["catch-up"]
+    # Restarted again: nothing was missed since the catch-up.
+    stack.stop_process("warmer")
+    stack.start_warmer(name="warmer-2")
+    time.sleep(3)
+    assert [r.id for r in runs.recent()] == [first[0].id]
+    assert isinstance(first[0], WarmRunView)
