@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip wheel
 	$(MAKE) wheel
-	$(BIN)/pip install -q --find-links $(WHEEL_DIR) --only-binary llama-cpp-python -e '.[dev,qwen,gemma]'
+	$(BIN)/pip install -q --find-links $(WHEEL_DIR) --only-binary llama-cpp-python -e '.[dev,qwen,gemma,bench]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

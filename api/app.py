@@ -9,9 +9,10 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis as AsyncRedis
 
-from api import cache, errors, health, jobs, metrics, openai_api, warm
+from api import batches, cache, errors, extractions, health, jobs, metrics, openai_api, warm
 from api.event_hub import EventHub
 from api.state import AppState
+from shared.batches import Batches
 from shared.job_store import JobStore
 from shared.llm import load_llama
 from shared.prefix_cache import open_cache
@@ -28,6 +29,7 @@ def create_app(settings: Settings) -> FastAPI:
         aredis = AsyncRedis.from_url(settings.redis_url)
         tokenizer = load_llama(settings, vocab_only=True)
         store = JobStore(redis, settings.jobs.result_ttl_s)
+        submitter = Submitter(redis, store, tokenizer, settings)
         hub = EventHub(aredis)
         await hub.start()
         app.state.granary = AppState(
@@ -36,8 +38,9 @@ def create_app(settings: Settings) -> FastAPI:
             aredis=aredis,
             tokenizer=tokenizer,
             store=store,
-            submitter=Submitter(redis, store, tokenizer, settings),
+            submitter=submitter,
             warm_runs=WarmRuns(redis, store, settings),
+            batches=Batches(redis, store, submitter, settings.jobs.result_ttl_s),
             hub=hub,
             cache=open_cache(settings) if settings.cache.enabled else None,
         )
@@ -53,6 +56,8 @@ def create_app(settings: Settings) -> FastAPI:
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(extractions.router)
+    app.include_router(batches.router)
     app.include_router(cache.router)
     app.include_router(openai_api.router)
     app.include_router(warm.router)

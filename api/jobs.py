@@ -33,11 +33,15 @@ def create_job(
     request: Request,
     idempotency_key: Annotated[str | None, Header()] = None,
 ) -> JobView:
-    if idempotency_key is not None and not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS:
-        raise InvalidRequest("Idempotency-Key must be 1-255 characters", field="Idempotency-Key")
+    check_idempotency_key(idempotency_key)
     return state_of(request).submitter.submit(
         body, queue_name="interactive", idempotency_key=idempotency_key, owner=owner_of(request)
     )
+
+
+def check_idempotency_key(key: str | None) -> None:
+    if key is not None and not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS:
+        raise InvalidRequest("Idempotency-Key must be 1-255 characters", field="Idempotency-Key")
 
 
 @router.get("/{job_id}", response_model=JobView)

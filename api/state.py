@@ -10,6 +10,7 @@ from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 
 from api.event_hub import EventHub
+from shared.batches import Batches
 from shared.job_store import JobStore
 from shared.prefix_cache import PrefixCache
 from shared.settings import Settings
@@ -26,6 +27,7 @@ class AppState:
     store: JobStore
     submitter: Submitter
     warm_runs: WarmRuns
+    batches: Batches
     hub: EventHub
     cache: PrefixCache | None
 

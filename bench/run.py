@@ -9,7 +9,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from bench import chunk_shape, job_path, machine, prefix_cache, warm
+from bench import chunk_shape, extraction, job_path, machine, prefix_cache, warm
 from shared.redis_server import private_redis
 from shared.settings import Settings
 from tests.harness import REPO, Stack, free_port
@@ -64,12 +64,17 @@ def _warm_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     return warm.section(settings, log_dir, n_items=90, rounds=1 if quick else 3)
 
 
+def _extraction_section(redis_url: str, log_dir: Path) -> str:
+    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
+    return extraction.section(settings, log_dir)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     parser.add_argument(
         "--only",
-        choices=["job_path", "prefix_cache", "chunk_shape", "warm"],
+        choices=["job_path", "prefix_cache", "chunk_shape", "warm", "extraction"],
         help="one suite, printed, not written",
     )
     args = parser.parse_args()
@@ -81,6 +86,8 @@ def main() -> None:
             sections += _prefix_cache_sections(redis_url, Path(tmp), args.quick)
         if args.only in (None, "warm"):
             sections.append(_warm_section(redis_url, Path(tmp), args.quick))
+        if args.only in (None, "extraction"):
+            sections.append(_extraction_section(redis_url, Path(tmp)))
         if args.only in (None, "chunk_shape"):
             models = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
             sections.append(chunk_shape.section([_settings(redis_url, m) for m in models]))

@@ -25,6 +25,18 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("worker", help="run one worker with the model resident")
     warmer = sub.add_parser("warmer", help="run the warm-up scheduler")
     warmer.add_argument("--run-now", action="store_true", help="run once at start (no catch-up)")
+    extract = sub.add_parser("extract", help="ask many questions about one document")
+    extract.add_argument("document", help="the document file (UTF-8 text)")
+    extract.add_argument("--question", action="append", help="a question (repeatable)")
+    extract.add_argument("--fields", help='JSON file {"name": "description", ...}')
+    extract.add_argument("--instructions", help="system instructions")
+    extract.add_argument("--max-tokens", type=int, default=None, help="per answer")
+    extract.add_argument("--temperature", type=float, default=None)
+    extract.add_argument("--url", default=None, help="API base URL (default: from settings)")
+    batch = sub.add_parser("batch", help="run a JSON Lines file of extraction requests")
+    batch.add_argument("items", help='JSONL: {"custom_id", "document", "questions"|"fields"…}')
+    batch.add_argument("-o", "--output", required=True, help="results, JSON Lines")
+    batch.add_argument("--url", default=None, help="API base URL (default: from settings)")
     warm = sub.add_parser("warm", help="warm documents now (through the API)")
     warm.add_argument("files", nargs="+", help="document files (UTF-8 text)")
     warm.add_argument("--instructions", help="the instructions requests send with them")
@@ -95,6 +107,14 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         from shared.cache_admin import run_cache_command
 
         return run_cache_command(args.action, settings)
+    elif args.command == "extract":
+        from shared.extract_command import extract_from_cli
+
+        return extract_from_cli(args, settings)
+    elif args.command == "batch":
+        from shared.extract_command import batch_from_cli
+
+        return batch_from_cli(args, settings)
     elif args.command == "warm":
         from shared.warm_command import warm_from_cli
 

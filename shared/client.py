@@ -27,6 +27,24 @@ class GranaryClient:
         base = url or f"http://{settings.api.host}:{settings.api.port}"
         return cls(base, settings.api_keys[0] if settings.api_keys else None)
 
+    def extract(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", "/v1/extractions", json=body)
+
+    def batch(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", "/v1/batches", json=body)
+
+    def batch_status(self, batch_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/batches/{batch_id}")
+
+    def batch_results(self, batch_id: str) -> Iterator[bytes]:
+        with self._http.stream("GET", f"/v1/batches/{batch_id}/results") as response:
+            if response.status_code >= 400:
+                response.read()
+                _raise_for_error(response)
+            for line in response.iter_lines():
+                if line:
+                    yield line.encode()
+
     def warm(self, body: dict[str, Any]) -> dict[str, Any]:
         return self._call("POST", "/v1/warm", json=body)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from redis import Redis
@@ -17,6 +17,9 @@ from redis import Redis
 from shared import codec, keys
 from shared.errors import JobNotFound
 from shared.schemas import (
+    AnswerEvent,
+    ExtractionResult,
+    JobKind,
     JobResult,
     JobStatus,
     JobView,
@@ -27,7 +30,7 @@ from shared.schemas import (
 )
 from shared.scripts import Scripts
 
-_JSON_FIELDS = ("result", "warm", "usage", "timings")
+_JSON_FIELDS = ("result", "warm", "extraction", "usage", "timings")
 Order = TypeVar("Order", bound=BaseModel)
 
 
@@ -55,7 +58,14 @@ class JobEvent:
 
     @property
     def final(self) -> bool:
-        return self.event != "token"
+        return self.event in FINAL_EVENTS
+
+
+FINAL_EVENTS = ("done", "error")
+
+
+def _event_name(event: TokenEvent | AnswerEvent) -> str:
+    return "answer" if isinstance(event, AnswerEvent) else "token"
 
 
 def _event_keys(job_id: str) -> tuple[str, str, str, str]:
@@ -83,7 +93,7 @@ class JobStore:
         queue: str,
         order: BaseModel,
         owner: str | None = None,
-        kind: Literal["generate", "warm"] = "generate",
+        kind: JobKind = "generate",
     ) -> JobView:
         record: dict[str, Any] = {
             "id": job_id,
@@ -142,10 +152,11 @@ class JobStore:
         """Mark started; returns the attempt number, or 0 if the job must not run."""
         return self._scripts.start((keys.job(job_id), keys.job_cancel(job_id)), time.time())
 
-    def emit_tokens(self, job_id: str, events: list[TokenEvent]) -> bool:
-        """Publish consecutive tokens; returns True when the job has been cancelled meanwhile."""
-        data = [event.model_dump_json().encode() for event in events]
-        return self._scripts.emit_tokens(_event_keys(job_id), events[0].index, data)
+    def emit(self, job_id: str, events: list[TokenEvent | AnswerEvent]) -> bool:
+        """Publish consecutive events (`token`, `answer`); returns True when the job has been
+        cancelled meanwhile."""
+        named = [(_event_name(e), e.model_dump_json().encode()) for e in events]
+        return self._scripts.emit_events(_event_keys(job_id), events[0].index, named)
 
     def finish(
         self,
@@ -154,12 +165,19 @@ class JobStore:
         *,
         result: JobResult | None = None,
         warm: WarmResult | None = None,
+        extraction: ExtractionResult | None = None,
         usage: Usage | None = None,
         timings: Timings | None = None,
         error: str | None = None,
     ) -> bool:
         fields: dict[str, Any] = {}
-        values = {"result": result, "warm": warm, "usage": usage, "timings": timings}
+        values = {
+            "result": result,
+            "warm": warm,
+            "extraction": extraction,
+            "usage": usage,
+            "timings": timings,
+        }
         for name, value in values.items():
             if value is not None:
                 fields[name] = value.model_dump_json()

@@ -78,3 +78,13 @@ def prefix_uses() -> str:
 def prefix_usage(prefix_id: str) -> str:
     """Hash for one learned prefix: how to rebuild it, its namespace, hits and misses."""
     return f"{PREFIX}:prefixes:{prefix_id}"
+
+
+def batch(batch_id: str) -> str:
+    """Hash describing one batch: owner, creation time, item count."""
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def batch_items(batch_id: str) -> str:
+    """List of the batch's items in order, each "custom_id job_id" as JSON."""
+    return f"{PREFIX}:batch:{batch_id}:items"

@@ -149,5 +149,24 @@ def tokenize_parts(llama: Llama, prompt: RenderedPrompt) -> tuple[list[int], int
     return head + tail, len(head)
 
 
+def document_prompts(
+    llama: Llama, fields: DocumentFields, questions: list[str]
+) -> tuple[list[int], list[list[int]]]:
+    """The shared prefix's tokens and each question's own tokens after it.
+
+    Prefix + tail is exactly what a single job with that `document` and question as `prompt`
+    tokenizes to, so answering them together can be compared with answering them alone.
+    """
+    prefix: list[int] | None = None
+    tails = []
+    for question in questions:
+        rendered = render_document(llama, fields, question)
+        split = rendered.prefix_chars or 0
+        if prefix is None:
+            prefix = _tokens(llama, rendered.text[:split], rendered.add_bos)
+        tails.append(_tokens(llama, rendered.text[split:], False))
+    return prefix or [], tails
+
+
 def _tokens(llama: Llama, text: str, add_bos: bool) -> list[int]:
     return llama.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)

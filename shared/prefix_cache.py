@@ -242,7 +242,8 @@ def restorable_tokens(
         return n
     if not truncatable:
         return 0
-    return max([n - n % block_tokens, *(b for b in ours & theirs if b <= n)])
+    both = {b for b in breaks if b in stored_breaks and b <= n}
+    return max([n - n % block_tokens, *both])
 
 
 class PrefixCache:

@@ -111,6 +111,51 @@ class JobRequest(SamplingParams, DocumentFields):
         return self
 
 
+QuestionId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+MAX_QUESTIONS = 256
+
+
+class ExtractionQuestion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: QuestionId
+    question: Text = Field(min_length=1)
+
+
+class ExtractionRequest(SamplingParams, DocumentFields):
+    """`POST /v1/extractions`: many questions about one document, answered together.
+
+    `fields` ({"name": "description"}) asks one question per field and also returns the
+    answers as one JSON object. `max_tokens` is per answer. Greedy by default.
+    """
+
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    questions: list[ExtractionQuestion] | None = Field(None, min_length=1, max_length=MAX_QUESTIONS)
+    fields: dict[QuestionId, Text] | None = Field(None, min_length=1, max_length=MAX_QUESTIONS)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ExtractionRequest:
+        if self.document is None:
+            raise ValueError("'document' is required")
+        if (self.questions is None) == (self.fields is None):
+            raise ValueError("give exactly one of 'questions' or 'fields'")
+        ids = [q.id for q in self.questions or []]
+        if len(set(ids)) != len(ids):
+            raise ValueError("question ids must be unique")
+        return self
+
+    def as_questions(self) -> list[ExtractionQuestion]:
+        if self.questions is not None:
+            return self.questions
+        return [
+            ExtractionQuestion(
+                id=name,
+                question=f"What is the {name} ({description})? Answer with the value only.",
+            )
+            for name, description in (self.fields or {}).items()
+        ]
+
+
 class RenderedPrompt(BaseModel):
     """The exact text the model reads, after the chat template, and how to tokenize it."""
 
@@ -209,6 +254,20 @@ class WorkOrder(BaseModel):
     document: DocumentFields | None = None
 
 
+class ExtractOrder(BaseModel):
+    """What a worker needs to run an extraction job."""
+
+    document: DocumentFields
+    questions: list[ExtractionQuestion]
+    fields: bool
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: list[str]
+    cache_namespace: str | None = None
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -224,6 +283,7 @@ class Timings(BaseModel):
 
 
 FinishReason = Literal["stop", "length", "cancelled"]
+JobKind = Literal["generate", "warm", "extract"]
 
 
 class JobResult(BaseModel):
@@ -231,11 +291,24 @@ class JobResult(BaseModel):
     finish_reason: FinishReason
 
 
+class Answer(BaseModel):
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+
+
+class ExtractionResult(BaseModel):
+    answers: dict[str, Answer]
+    # With `fields`: each field's answer, stripped.
+    object: dict[str, str] | None = None
+
+
 class JobView(BaseModel):
     """A job as the API shows it."""
 
     id: str
-    kind: Literal["generate", "warm"] = "generate"
+    kind: JobKind = "generate"
     status: JobStatus
     queue: str
     created_at: float
@@ -244,6 +317,7 @@ class JobView(BaseModel):
     attempts: int = 0
     result: JobResult | None = None
     warm: WarmResult | None = None
+    extraction: ExtractionResult | None = None
     usage: Usage = Usage()
     timings: Timings = Timings()
     error: str | None = None
@@ -252,6 +326,16 @@ class JobView(BaseModel):
 class TokenEvent(BaseModel):
     index: int
     text: str
+    # Extraction jobs: which question's answer this token belongs to.
+    question: str | None = None
+
+
+class AnswerEvent(BaseModel):
+    """Extraction jobs: one question's answer is complete."""
+
+    index: int
+    question: str
+    answer: Answer
 
 
 class CacheReport(BaseModel):
@@ -271,3 +355,45 @@ class CacheReport(BaseModel):
     bytes_read: int = 0
     bytes_written: int = 0
     evictions: int = 0
+
+
+class BatchItem(ExtractionRequest):
+    custom_id: Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class BatchRequest(BaseModel):
+    """`POST /v1/batches`: extraction requests, one job each on the `batch` queue."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[BatchItem] = Field(min_length=1, max_length=10_000)
+
+    @field_validator("items")
+    @classmethod
+    def _unique_ids(cls, items: list[BatchItem]) -> list[BatchItem]:
+        ids = [item.custom_id for item in items]
+        if len(set(ids)) != len(ids):
+            raise ValueError("custom_id values must be unique within a batch")
+        return items
+
+
+class BatchView(BaseModel):
+    id: str
+    created_at: float
+    finished_at: float | None = None
+    total: int
+    # queued, running, succeeded, failed, cancelled
+    counts: dict[str, int]
+    # Summed over ended items.
+    usage: Usage = Usage()
+
+
+class BatchResultLine(BaseModel):
+    """One line of a batch's JSON Lines results."""
+
+    custom_id: str
+    job_id: str
+    status: JobStatus
+    extraction: ExtractionResult | None = None
+    usage: Usage | None = None
+    error: str | None = None

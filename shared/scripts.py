@@ -21,19 +21,19 @@ redis.call('HSET', KEYS[1], 'status', 'started', 'started_at', ARGV[1])
 return redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 """
 
-# KEYS: job, events stream, channel, cancel flag. ARGV: first index, then one event json per
-# token. Tokens already published (by an earlier attempt) are skipped; the rest go to the stream
-# and, as one message of "seq|token|data" lines, to the channel.
-# Returns 1 when the job was cancelled (the worker stops), else 0.
-_EMIT_TOKENS = """
+# KEYS: job, events stream, channel, cancel flag. ARGV: first index, then an event name and its
+# json per event (`token`, `answer`). Events already published (by an earlier attempt) are
+# skipped; the rest go to the stream and, as one message of "seq|event|data" lines, to the
+# channel. Returns 1 when the job was cancelled (the worker stops), else 0.
+_EMIT_EVENTS = """
 local emitted = tonumber(redis.call('HGET', KEYS[1], 'emitted') or '0')
 local first = tonumber(ARGV[1])
 local lines = {}
-for i = 2, #ARGV do
-  local index = first + i - 2
+for i = 2, #ARGV, 2 do
+  local index = first + (i - 2) / 2
   if index >= emitted then
-    redis.call('XADD', KEYS[2], '*', 'seq', index, 'event', 'token', 'data', ARGV[i])
-    lines[#lines + 1] = index .. '|token|' .. ARGV[i]
+    redis.call('XADD', KEYS[2], '*', 'seq', index, 'event', ARGV[i], 'data', ARGV[i + 1])
+    lines[#lines + 1] = index .. '|' .. ARGV[i] .. '|' .. ARGV[i + 1]
     emitted = index + 1
   end
 end
@@ -105,7 +105,7 @@ class Scripts:
 
     def __init__(self, redis: Redis) -> None:
         self._start = redis.register_script(_START)
-        self._emit_tokens = redis.register_script(_EMIT_TOKENS)
+        self._emit_events = redis.register_script(_EMIT_EVENTS)
         self._finish = redis.register_script(_FINISH)
         self._cancel = redis.register_script(_CANCEL)
         self._requeue = redis.register_script(_REQUEUE)
@@ -113,8 +113,13 @@ class Scripts:
     def start(self, keys: tuple[str, str], now_s: float) -> int:
         return int(self._start(keys=list(keys), args=[now_s]))
 
-    def emit_tokens(self, keys: tuple[str, str, str, str], first: int, data: list[bytes]) -> bool:
-        return bool(self._emit_tokens(keys=list(keys), args=[first, *data]))
+    def emit_events(
+        self, keys: tuple[str, str, str, str], first: int, events: list[tuple[str, bytes]]
+    ) -> bool:
+        flat: list[str | bytes] = []
+        for name, data in events:
+            flat += [name, data]
+        return bool(self._emit_events(keys=list(keys), args=[first, *flat]))
 
     def finish(
         self,

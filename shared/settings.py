@@ -39,6 +39,9 @@ class WorkerSettings(BaseModel):
     # Tokens decoded within this window are published together: fewer wake-ups of Redis,
     # the API and clients, whose CPU time a small machine would otherwise take from decoding.
     stream_interval_ms: int = Field(50, ge=0, le=1000)
+    # Questions of one extraction decoded together (more wait for the next wave). Each adds
+    # a sequence to the context; KV cells are shared, so memory grows only with their tokens.
+    max_sequences: int = Field(16, ge=1, le=63)
 
 
 class JobSettings(BaseModel):

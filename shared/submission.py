@@ -16,12 +16,22 @@ from shared import keys
 from shared.codec import JsonSerializer
 from shared.errors import ContextOverflow, InvalidRequest
 from shared.job_store import JobStore
-from shared.llm import render_prompt, tokenize
-from shared.schemas import DocumentFields, JobRequest, JobView, WorkOrder
+from shared.llm import document_prompts, render_prompt, tokenize
+from shared.schemas import (
+    DocumentFields,
+    ExtractionRequest,
+    ExtractOrder,
+    JobKind,
+    JobRequest,
+    JobStatus,
+    JobView,
+    WorkOrder,
+)
 from shared.settings import Settings
 
 # rq imports the job function by name, so the API never imports the worker (or its model).
 RUN_JOB = "worker.tasks.run_job"
+RUN_EXTRACT = "worker.tasks.run_extract"
 ON_FAILURE = Callback("worker.tasks.on_job_failure")
 DOCUMENT_FIELDS = set(DocumentFields.model_fields)
 
@@ -36,7 +46,11 @@ def work_order_for(
     """Render and count the prompt; refuse one that leaves no room in the context window."""
     prompt = render_prompt(tokenizer, request)
     n_prompt = len(tokenize(tokenizer, prompt))
-    field = "document" if request.document else "prompt" if request.prompt else "messages"
+    field = "messages"
+    if request.document is not None:
+        field = "document"
+    elif request.prompt is not None:
+        field = "prompt"
     if n_prompt == 0:
         raise InvalidRequest(f"{field} is empty: there is nothing to generate from", field=field)
     if n_prompt >= n_ctx:
@@ -60,6 +74,34 @@ def work_order_for(
     )
 
 
+def extract_order_for(
+    tokenizer: Llama, request: ExtractionRequest, *, n_ctx: int, default_max_tokens: int
+) -> ExtractOrder:
+    """Check that every question fits next to the document; answers may come in waves."""
+    questions = request.as_questions()
+    max_tokens = request.max_tokens or default_max_tokens
+    prefix, tails = document_prompts(tokenizer, request, [q.question for q in questions])
+    for question, tail in zip(questions, tails, strict=True):
+        over = len(prefix) + len(tail) + max_tokens - n_ctx
+        if over > 0:
+            raise ContextOverflow(
+                f"question {question.id!r} does not fit: document {len(prefix)} + question "
+                f"{len(tail)} + max_tokens {max_tokens} tokens is {over} more than the context "
+                f"window ({n_ctx})",
+                field="questions" if request.questions is not None else "fields",
+            )
+    return ExtractOrder(
+        document=DocumentFields.model_validate(request.model_dump(include=DOCUMENT_FIELDS)),
+        questions=questions,
+        fields=request.fields is not None,
+        max_tokens=max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed if request.seed is not None else secrets.randbelow(2**32),
+        stop=request.stop,
+    )
+
+
 class Submitter:
     def __init__(self, redis: Redis, store: JobStore, tokenizer: Llama, settings: Settings) -> None:
         self._redis = redis
@@ -69,30 +111,44 @@ class Submitter:
 
     def submit(
         self,
-        request: JobRequest,
+        request: JobRequest | ExtractionRequest,
         *,
         queue_name: str,
         idempotency_key: str | None = None,
         owner: str | None = None,
     ) -> JobView:
-        order = work_order_for(
-            self._tokenizer,
-            request,
-            n_ctx=self._settings.n_ctx,
-            default_max_tokens=self._settings.jobs.default_max_tokens,
-        )
+        """A generation job, or an extraction job (many questions about one document)."""
+        limits = {
+            "n_ctx": self._settings.n_ctx,
+            "default_max_tokens": self._settings.jobs.default_max_tokens,
+        }
+        order: WorkOrder | ExtractOrder
+        kind: JobKind
+        if isinstance(request, ExtractionRequest):
+            order, kind = extract_order_for(self._tokenizer, request, **limits), "extract"
+        else:
+            order, kind = work_order_for(self._tokenizer, request, **limits), "generate"
         if self._settings.cache.per_key and owner is not None:
             order = order.model_copy(update={"cache_namespace": owner})
         job_id = uuid.uuid4().hex
-        view = self._store.create(job_id, queue_name, order, owner)
+        view = self._store.create(job_id, queue_name, order, owner, kind=kind)
         if idempotency_key is not None:
             # Scoped by owner: one key's idempotency keys never reach another's jobs.
             existing = self._claim_idempotency_key(f"{owner or ''}:{idempotency_key}", job_id)
             if existing is not None:
                 self._store.delete(job_id)
                 return self._store.get(existing)
-        self._enqueue(job_id, queue_name)
+        self._enqueue(job_id, queue_name, RUN_EXTRACT if kind == "extract" else RUN_JOB)
         return view
+
+    def failed(
+        self, request: ExtractionRequest, queue_name: str, owner: str | None, error: str
+    ) -> JobView:
+        """Record a request that cannot run as a failed job (a batch item; the rest go on)."""
+        job_id = uuid.uuid4().hex
+        self._store.create(job_id, queue_name, request, owner, kind="extract")
+        self._store.finish(job_id, JobStatus.FAILED, error=error)
+        return self._store.get(job_id)
 
     def cancel(self, job_id: str, owner: str | None) -> JobView:
         """Cancel; a queued job also leaves its rq queue, so queue depth stays true."""
@@ -109,10 +165,10 @@ class Submitter:
         existing: bytes | None = self._redis.get(redis_key)  # type: ignore[assignment]
         return existing.decode() if existing is not None else None
 
-    def _enqueue(self, job_id: str, queue_name: str) -> None:
+    def _enqueue(self, job_id: str, queue_name: str, function: str) -> None:
         worker = self._settings.worker
         queue(self._redis, queue_name).enqueue(
-            RUN_JOB,
+            function,
             job_id,
             job_id=job_id,
             job_timeout=worker.job_timeout_s,

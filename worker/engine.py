@@ -133,26 +133,44 @@ class Engine:
         asked whether other work is waiting; if so the job stops at that chunk's end (whose
         state is saved, so running it again resumes there).
         """
-        cache = self._enter_namespace(order.cache_namespace)
-        if cache is None:
+        if self.cache is None:
             raise CacheDisabled("the prefix cache is disabled: there is nowhere to warm into")
         tokens, boundary = tokenize_parts(self.llama, render_warm(self.llama, order.item))
-        limit = len(tokens) - 1
         if len(tokens) >= self.n_ctx:
             raise ContextOverflow(f"the prefix is {len(tokens)} tokens; n_ctx is {self.n_ctx}")
-        prompt = _Prompt(tokens, _breaks(boundary, limit))
-        target = boundary if boundary is not None else limit
-        cached, _ = self._load_prefix(cache, prompt, time.perf_counter())
-        reached = self._prefill(cache, prompt, cached, target, should_yield)
+        target = boundary if boundary is not None else len(tokens) - 1
+        cached, reached = self.load_prefix(order.cache_namespace, tokens, target, should_yield)
         if self._saver is not None:
             self._saver.flush()  # "warmed" means a request arriving now finds it on disk
         return WarmResult(
             prefix_tokens=target,
-            cached_tokens=min(cached, target),
+            cached_tokens=cached,
             warmed_tokens=max(reached - cached, 0),
             already_cached=cached >= target,
             yielded=int(reached < target),
         )
+
+    def load_prefix(
+        self,
+        namespace: str | None,
+        tokens: list[int],
+        target: int,
+        should_yield: Callable[[], bool] | None = None,
+    ) -> tuple[int, int]:
+        """Make memory hold exactly `tokens[:target]`, restoring what the cache has.
+
+        `target` is the prompt's declared prefix end (or its last-but-one token). Returns
+        (tokens restored, tokens held): fewer than `target` only when `should_yield` stopped it.
+        """
+        cache = self._enter_namespace(namespace)
+        prompt = _Prompt(tokens, _breaks(target, len(tokens) - 1))
+        cached, _ = self._load_prefix(cache, prompt, time.perf_counter())
+        cached = min(cached, target)
+        reached = self._prefill(cache, prompt, cached, target, should_yield)
+        # Memory may hold more (a longer prompt's cells, kept for reuse): cut it back.
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.llama.ctx), 0, reached, -1)
+        self.llama.n_tokens = reached
+        return cached, reached
 
     def _load_prefix(
         self, cache: PrefixCache | None, prompt: _Prompt, started: float

@@ -6,13 +6,13 @@ import logging
 
 from shared.cache_counters import CounterPublisher
 from shared.job_store import JobStore
-from shared.llm import load_llama
 from shared.prefix_cache import open_cache
 from shared.redis_server import connect
 from shared.settings import Settings
 from shared.warm_runs import WarmRuns
 from worker import tasks
 from worker.engine import Engine, memory_is_truncatable
+from worker.multi_sequence import load_multi_sequence_llama
 from worker.prefix_saver import PrefixSaver
 from worker.worker import GranaryWorker
 
@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(settings: Settings) -> Engine:
-    llama = load_llama(settings)
+    # Sequence 0 holds every job's prompt; extraction questions fork into the others.
+    llama = load_multi_sequence_llama(settings, settings.worker.max_sequences + 1)
     block_tokens = settings.cache.block_tokens
     if not settings.cache.enabled:
         return Engine(llama, block_tokens)
@@ -43,3 +44,5 @@ def run_worker(settings: Settings) -> None:
         GranaryWorker(redis, settings.worker).work(logging_level=settings.log_level)
     finally:
         engine.close()
+        if counters is not None:  # the snapshots written just now count too
+            counters.publish()

@@ -7,6 +7,8 @@ and is bound once at start (`bind`), never loaded per job.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 from redis import Redis
 from rq.job import Job
@@ -16,13 +18,27 @@ from shared.cache_counters import CounterPublisher
 from shared.job_metrics import record_job
 from shared.job_store import JobStore
 from shared.prefix_usage import PrefixUsage
-from shared.schemas import JobStatus, WarmOrder, WarmResult, WorkOrder
+from shared.schemas import (
+    DocumentFields,
+    ExtractionResult,
+    ExtractOrder,
+    JobResult,
+    JobStatus,
+    Timings,
+    Usage,
+    WarmOrder,
+    WarmResult,
+    WorkOrder,
+)
 from shared.submission import queue
 from shared.warm_runs import WarmRuns
 from worker.engine import Engine, Generation
+from worker.extraction import Extracted, extract
 from worker.token_publisher import TokenPublisher
 
 log = logging.getLogger(__name__)
+
+Outcome = TypeVar("Outcome")
 
 
 class Runtime:
@@ -46,41 +62,80 @@ class Runtime:
         self._counters = counters
 
     def run(self, job_id: str) -> None:
-        store = self.store
-        attempt = store.start(job_id)
-        if not attempt:
-            log.info("job %s was cancelled or finished before it started; skipping", job_id)
+        """A generation job: one prompt, one answer."""
+        outcome = self._execute(job_id, lambda publisher: self._generate(job_id, publisher))
+        if outcome is None:
             return
-        view = store.get(job_id)
-        queued_ms = ((view.started_at or view.created_at) - view.created_at) * 1000
+        order, generation = outcome
+        cancelled = generation.result.finish_reason == "cancelled"
+        self._finish(job_id, cancelled, generation.usage, generation.timings, generation.result)
+        if order.document is not None and generation.prefix_tokens is not None:
+            self._record_prefix_use(
+                order.document, order.cache_namespace, generation.usage, generation.prefix_tokens
+            )
+
+    def extract(self, job_id: str) -> None:
+        """An extraction job: many questions about one document, decoded together."""
+        outcome = self._execute(job_id, lambda publisher: self._extract(job_id, publisher))
+        if outcome is None:
+            return
+        order, done = outcome
+        cancelled = any(a.finish_reason == "cancelled" for a in done.result.answers.values())
+        self._finish(job_id, cancelled, done.usage, done.timings, done.result)
+        self._record_prefix_use(
+            order.document, order.cache_namespace, done.usage, done.prefix_tokens
+        )
+
+    def _generate(self, job_id: str, publisher: TokenPublisher) -> tuple[WorkOrder, Generation]:
+        order = self.store.order(job_id, WorkOrder)
+        return order, self.engine.generate(order, lambda _i, text: publisher.token(text))
+
+    def _extract(self, job_id: str, publisher: TokenPublisher) -> tuple[ExtractOrder, Extracted]:
+        order = self.store.order(job_id, ExtractOrder)
+        return order, extract(self.engine, order, publisher)
+
+    def _execute(self, job_id: str, work: Callable[[TokenPublisher], Outcome]) -> Outcome | None:
+        """Start the job and run `work`; a failure fails the job, never the worker."""
+        if not self.store.start(job_id):
+            log.info("job %s was cancelled or finished before it started; skipping", job_id)
+            return None
         try:
-            order = store.order(job_id, WorkOrder)
-            with TokenPublisher(store, job_id, self._stream_interval_s) as publisher:
-                generation = self.engine.generate(order, publisher.put)
-        except Exception as exc:  # a job's failure must never take the worker down
+            with TokenPublisher(self.store, job_id, self._stream_interval_s) as publisher:
+                return work(publisher)
+        except Exception as exc:
             log.exception("job %s failed", job_id)
             self.engine.forget()  # its memory may be half-written: the next job starts clean
-            store.finish(job_id, JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
-            return
-        cancelled = generation.result.finish_reason == "cancelled"
-        timings = generation.timings.model_copy(update={"queued_ms": queued_ms})
-        store.finish(
-            job_id,
-            JobStatus.CANCELLED if cancelled else JobStatus.FINISHED,
-            result=generation.result,
-            usage=generation.usage,
-            timings=timings,
-        )
-        record_job(self._redis, generation.usage, timings)
-        self._record_prefix_use(order, generation)
+            self.store.finish(job_id, JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
+            return None
+
+    def _finish(
+        self,
+        job_id: str,
+        cancelled: bool,
+        usage: Usage,
+        timings: Timings,
+        result: JobResult | ExtractionResult,
+    ) -> None:
+        view = self.store.get(job_id)
+        queued_ms = ((view.started_at or view.created_at) - view.created_at) * 1000
+        timings = timings.model_copy(update={"queued_ms": queued_ms})
+        status = JobStatus.CANCELLED if cancelled else JobStatus.FINISHED
+        if isinstance(result, ExtractionResult):
+            self.store.finish(job_id, status, extraction=result, usage=usage, timings=timings)
+        else:
+            self.store.finish(job_id, status, result=result, usage=usage, timings=timings)
+        record_job(self._redis, usage, timings)
         if self._counters is not None:
             self._counters.publish()
 
-    def _record_prefix_use(self, order: WorkOrder, generation: Generation) -> None:
-        if order.document is None or generation.prefix_tokens is None:
-            return
-        hit = generation.usage.cached_tokens >= generation.prefix_tokens
-        self._usage.record(order.document, order.cache_namespace, hit=hit)
+    def _record_prefix_use(
+        self,
+        document: DocumentFields,
+        namespace: str | None,
+        usage: Usage,
+        prefix_tokens: int,
+    ) -> None:
+        self._usage.record(document, namespace, hit=usage.cached_tokens >= prefix_tokens)
 
     def warm(self, job_id: str) -> None:
         """Run a warm job; if other work arrives it steps aside and is queued again."""
@@ -148,6 +203,10 @@ def _bound() -> Runtime:
 
 def run_job(job_id: str) -> None:
     _bound().run(job_id)
+
+
+def run_extract(job_id: str) -> None:
+    _bound().extract(job_id)
 
 
 def run_warm(job_id: str) -> None:

@@ -1,8 +1,9 @@
-"""Publishes a job's tokens from a thread, so the decode loop never waits on Redis.
+"""Publishes a job's events (tokens, answers) from a thread, so decoding never waits on Redis.
 
-Tokens produced while a publish is in flight, or within `interval_s` of the last one, go out
+Events produced while a publish is in flight, or within `interval_s` of the last one, go out
 together in one script call and one pub/sub message: on a 2-core machine every wake-up of Redis,
-the API and the client takes CPU from decoding.
+the API and the client takes CPU from decoding. Events are numbered in the order they are put,
+which a re-run of the job repeats, so none is published twice.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from types import TracebackType
 
 from shared.job_store import JobStore
-from shared.schemas import TokenEvent
+from shared.schemas import Answer, AnswerEvent, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -23,17 +24,25 @@ class TokenPublisher:
         self._store = store
         self._job_id = job_id
         self._interval_s = interval_s
-        self._pending: list[TokenEvent] = []
+        self._pending: list[TokenEvent | AnswerEvent] = []
+        self._next = 0
         self._closed = False
         self._wake = threading.Condition()
         self.cancelled = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"publish-{job_id}", daemon=True)
         self._thread.start()
 
-    def put(self, index: int, text: str) -> bool:
+    def token(self, text: str, question: str | None = None) -> bool:
         """Queue a token; returns True once the job is known to be cancelled."""
+        return self._put(TokenEvent(index=self._next, text=text, question=question))
+
+    def answer(self, question: str, answer: Answer) -> bool:
+        return self._put(AnswerEvent(index=self._next, question=question, answer=answer))
+
+    def _put(self, event: TokenEvent | AnswerEvent) -> bool:
         with self._wake:
-            self._pending.append(TokenEvent(index=index, text=text))
+            self._pending.append(event)
+            self._next += 1
             self._wake.notify()
         return self.cancelled.is_set()
 
@@ -62,9 +71,9 @@ class TokenPublisher:
             if not closed:
                 time.sleep(self._interval_s)
 
-    def _publish(self, batch: list[TokenEvent]) -> None:
+    def _publish(self, batch: list[TokenEvent | AnswerEvent]) -> None:
         try:
-            if self._store.emit_tokens(self._job_id, batch):
+            if self._store.emit(self._job_id, batch):
                 self.cancelled.set()
         except Exception:  # live tokens are lost; the job's result is still recorded
             log.warning(

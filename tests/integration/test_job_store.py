@@ -31,10 +31,10 @@ def store(redis_url: str) -> Iterator[JobStore]:
 def test_retry_never_publishes_a_token_twice(store: JobStore) -> None:
     store.create("j", "interactive", ORDER)
     assert store.start("j") == 1
-    store.emit_tokens("j", [TokenEvent(index=i, text=f"t{i}") for i in range(3)])
+    store.emit("j", [TokenEvent(index=i, text=f"t{i}") for i in range(3)])
     assert store.start("j") == 2  # a second worker re-runs it
-    store.emit_tokens("j", [TokenEvent(index=i, text=f"t{i}") for i in range(2)])
-    store.emit_tokens("j", [TokenEvent(index=i, text=f"t{i}") for i in range(2, 5)])
+    store.emit("j", [TokenEvent(index=i, text=f"t{i}") for i in range(2)])
+    store.emit("j", [TokenEvent(index=i, text=f"t{i}") for i in range(2, 5)])
     store.finish("j", JobStatus.FINISHED, result=JobResult(text="x", finish_reason="length"))
     events = store.events("j")
     assert [e.seq for e in events] == [0, 1, 2, 3, 4, 5]
@@ -45,7 +45,7 @@ def test_cancel_beats_a_late_finish(store: JobStore) -> None:
     store.create("j", "interactive", ORDER)
     store.start("j")
     assert store.cancel("j").status == JobStatus.CANCELLED
-    assert store.emit_tokens("j", [TokenEvent(index=0, text="a")]) is True  # the worker is told
+    assert store.emit("j", [TokenEvent(index=0, text="a")]) is True  # the worker is told
     store.finish("j", JobStatus.FINISHED, result=JobResult(text="a", finish_reason="length"))
     view = store.get("j")
     assert view.status == JobStatus.CANCELLED

@@ -1,0 +1,126 @@
+"""An extraction job on the worker: the document's prefix once, then every question together.
+
+The prefix (instructions + document) is restored or prefilled once like any job's, through the
+engine (so it is cached and reused); the questions then fork from it and decode together
+(`worker.multi_sequence`). Each token goes out tagged with its question, and each answer as an
+`answer` event the moment it completes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from shared.llm import document_prompts
+from shared.schemas import (
+    Answer,
+    ExtractionResult,
+    ExtractOrder,
+    FinishReason,
+    Timings,
+    Usage,
+)
+from worker import multi_sequence
+from worker.engine import Engine
+from worker.multi_sequence import Question
+from worker.text_stream import TextStream
+from worker.token_publisher import TokenPublisher
+
+
+@dataclass(frozen=True, slots=True)
+class Extracted:
+    result: ExtractionResult
+    usage: Usage
+    timings: Timings
+    prefix_tokens: int
+
+
+@dataclass
+class _Answering:
+    """The text side of every question while they decode: streams, stops, cancellation."""
+
+    engine: Engine
+    order: ExtractOrder
+    publisher: TokenPublisher
+    prompt_tokens: list[int]
+    cached: int
+    # Answers' times count from when the questions started; jobs' from when the job did.
+    offset_ms: float
+    streams: list[TextStream] = field(init=False)
+    answers: dict[str, Answer] = field(default_factory=dict)
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.streams = [TextStream(stop=self.order.stop) for _ in self.order.questions]
+
+    def on_token(self, index: int, token: int) -> bool:
+        stream = self.streams[index]
+        piece = stream.feed(self.engine.llama.detokenize([token]))
+        if self.publisher.token(piece, question=self.order.questions[index].id):
+            self.cancelled = True
+        return self.cancelled or stream.stopped
+
+    def on_answer(self, index: int, answer: multi_sequence.Answer) -> None:
+        stream = self.streams[index]
+        tail = stream.flush()
+        question = self.order.questions[index].id
+        if tail:
+            self.publisher.token(tail, question=question)
+        finish: FinishReason = answer.finish_reason
+        if self.cancelled:
+            finish = "cancelled"
+        elif stream.stopped:
+            finish = "stop"
+        view = Answer(
+            text=stream.text,
+            finish_reason=finish,
+            usage=Usage(
+                prompt_tokens=self.prompt_tokens[index],
+                cached_tokens=self.cached,
+                completion_tokens=len(answer.tokens),
+            ),
+            timings=Timings(
+                ttft_ms=None if answer.ttft_ms is None else answer.ttft_ms + self.offset_ms,
+                decode_tokens_per_s=answer.decode_tokens_per_s,
+            ),
+        )
+        self.answers[question] = view
+        self.publisher.answer(question, view)
+
+
+def extract(engine: Engine, order: ExtractOrder, publisher: TokenPublisher) -> Extracted:
+    started = time.perf_counter()
+    llama = engine.llama
+    prefix, tails = document_prompts(llama, order.document, [q.question for q in order.questions])
+    cached, _ = engine.load_prefix(order.cache_namespace, prefix + tails[0], len(prefix))
+    prefilled = time.perf_counter()
+    prompt_tokens = [len(prefix) + len(t) for t in tails]
+    offset_ms = (prefilled - started) * 1000
+    answering = _Answering(engine, order, publisher, prompt_tokens, cached, offset_ms)
+    questions = [
+        Question(
+            tokens=tail,
+            max_tokens=order.max_tokens,
+            temperature=order.temperature,
+            top_p=order.top_p,
+            seed=(order.seed + i) % 2**32,
+        )
+        for i, tail in enumerate(tails)
+    ]
+    multi_sequence.answer_questions(
+        llama, questions, engine.chunk_tokens, answering.on_token, on_answer=answering.on_answer
+    )
+    ids = [q.id for q in order.questions]
+    answers = {i: answering.answers[i] for i in ids}
+    result = ExtractionResult(
+        answers=answers,
+        object={i: a.text.strip() for i, a in answers.items()} if order.fields else None,
+    )
+    usage = Usage(
+        prompt_tokens=len(prefix) + sum(len(t) for t in tails),
+        cached_tokens=cached,
+        completion_tokens=sum(a.usage.completion_tokens for a in answers.values()),
+    )
+    first = min((a.timings.ttft_ms for a in answers.values() if a.timings.ttft_ms), default=None)
+    timings = Timings(prefill_ms=(prefilled - started) * 1000, ttft_ms=first)
+    return Extracted(result, usage, timings, len(prefix))

@@ -1,0 +1,373 @@
+"""One document, many questions: fork the document's memory once per question, decode together.
+
+Sequence 0 of the context holds the shared prefix (instructions + document), prefilled or
+restored by the caller. Each question gets a sequence of its own, forked from sequence 0 with
+llama_memory_seq_cp: in a unified KV cache the fork shares the prefix's cells instead of copying
+them, so N questions cost one prefix plus N tails. Each sequence prefills its own tail, then all
+live sequences decode together, one token each per llama_decode, which is what makes N answers
+cheaper than N runs: a CPU decode step reads every weight once whatever the batch holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import llama_cpp
+import numpy as np
+import numpy.typing as npt
+from llama_cpp import Llama
+from llama_cpp import _internals as internals
+
+from shared.errors import ContextOverflow, GranaryError
+from shared.llm import _quiet_native_logs, load_llama
+from shared.settings import Settings
+
+PREFIX_SEQ = 0
+
+# Called with (question index, generated token id); returns True to stop that question.
+OnToken = Callable[[int, int], bool]
+# Called with (question index, its answer) as soon as that question is done.
+OnAnswer = Callable[[int, "Answer"], None]
+Finish = Literal["stop", "length"]
+Logits = npt.NDArray[np.float32]
+
+
+class DoesNotFit(ContextOverflow):
+    """A question's own tokens and answer cannot fit in the context next to the prefix."""
+
+    def __init__(self, question: int, overflow: int) -> None:
+        super().__init__(
+            f"question {question} does not fit in the context next to the shared prefix: "
+            f"{overflow} tokens too many"
+        )
+        self.question = question
+        self.overflow = overflow
+
+
+class Unsupported(GranaryError):
+    """This model or context cannot fork one sequence's memory into several."""
+
+    status_code = 501
+    error_type = "unsupported"
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    # The prompt after the shared prefix; its last token is decoded with the answer's first step.
+    tokens: Sequence[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            raise ValueError("a question needs at least one token of its own")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+
+    @property
+    def cells(self) -> int:
+        """KV cells the question may occupy beyond the prefix."""
+        return len(self.tokens) + self.max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    tokens: list[int]
+    finish_reason: Finish
+    ttft_ms: float | None  # from the start of `answer_questions`, earlier waves included
+    decode_tokens_per_s: float | None
+    first_logits: Logits | None = None  # only with keep_first_logits
+
+
+def load_multi_sequence_llama(settings: Settings, n_seq_max: int) -> Llama:
+    """A Llama whose context holds `n_seq_max` sequences in one unified KV cache.
+
+    Llama.__init__ only sets n_seq_max and kv_unified for embedding contexts, and creates its
+    context before returning, so the context is replaced by one built from the same parameters
+    with these two changed. Everything the Llama object tracks (n_ctx, input_ids, its batch)
+    stays valid: the context size is the same. Unified matters: with a stream per sequence each
+    would hold only n_ctx / n_seq_max cells, too few for a long shared prefix.
+    """
+    if not 2 <= n_seq_max <= llama_cpp.llama_max_parallel_sequences():
+        raise ValueError(
+            f"n_seq_max must be between 2 and {llama_cpp.llama_max_parallel_sequences()}"
+        )
+    llama = load_llama(settings)
+    params = llama.context_params
+    params.n_seq_max = n_seq_max
+    params.kv_unified = True
+    with _quiet_native_logs():
+        context = internals.LlamaContext(model=llama._model, params=params, verbose=False)
+    previous = llama._ctx
+    llama._ctx = llama._stack.enter_context(contextlib.closing(context))
+    # Free the first context's KV cache now; closing it again at llama.close() is a no-op.
+    previous.close()
+    return llama
+
+
+def cells_needed(prefix_tokens: int, questions: Sequence[Question]) -> int:
+    """KV cells for answering all questions at once."""
+    return prefix_tokens + sum(q.cells for q in questions)
+
+
+def plan_waves(
+    prefix_tokens: int, cells: Sequence[int], n_ctx: int, n_seq_max: int
+) -> list[list[int]]:
+    """Group question indices into waves that each fit next to the prefix, in input order.
+
+    A question goes into the first wave with room for it (first fit): a wave holds at most
+    n_seq_max - 1 questions (sequence 0 keeps the prefix) and their cells add up to at most
+    n_ctx - prefix_tokens.
+    """
+    if n_seq_max < 2:
+        raise ValueError("n_seq_max must be at least 2: sequence 0 holds the prefix")
+    budget = n_ctx - prefix_tokens
+    for index, need in enumerate(cells):
+        if need > budget:
+            raise DoesNotFit(index, need - budget)
+    waves: list[list[int]] = []
+    room: list[int] = []
+    for index, need in enumerate(cells):
+        target = next(
+            (w for w, wave in enumerate(waves) if room[w] >= need and len(wave) < n_seq_max - 1),
+            None,
+        )
+        if target is None:
+            waves.append([])
+            room.append(budget)
+            target = len(waves) - 1
+        waves[target].append(index)
+        room[target] -= need
+    return waves
+
+
+def check_supported(llama: Llama) -> None:
+    """Raise Unsupported unless this context can fork sequence 0 into shared-cell sequences."""
+    model = llama.model
+    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+        # A recurrent state is one cell per sequence: forks copy it, never tested here.
+        raise Unsupported("recurrent and hybrid models are not supported")
+    if llama_cpp.llama_n_seq_max(llama.ctx) < 2 or not llama.context_params.kv_unified:
+        raise Unsupported(
+            "the context needs several sequences in a unified KV cache "
+            "(load it with load_multi_sequence_llama)"
+        )
+
+
+def answer_questions(
+    llama: Llama,
+    questions: Sequence[Question],
+    chunk_tokens: int,
+    on_token: OnToken | None = None,
+    keep_first_logits: bool = False,
+    on_answer: OnAnswer | None = None,
+) -> list[Answer]:
+    """Answer every question after the prefix that sequence 0 of `llama`'s memory holds.
+
+    The prefix is whatever sequence 0 holds (its length is read from memory); the caller must
+    have prefilled it in canonical chunks ending at its last token. Questions that do not fit
+    together run in waves (plan_waves), one after another. Afterwards sequence 0 holds exactly
+    the prefix again and every other sequence is empty, whatever was raised.
+    """
+    check_supported(llama)
+    mem = llama_cpp.llama_get_memory(llama.ctx)
+    n_seq_max = llama_cpp.llama_n_seq_max(llama.ctx)
+    for seq in range(1, n_seq_max):
+        llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+    prefix = llama_cpp.llama_memory_seq_pos_max(mem, PREFIX_SEQ) + 1
+    # A decode step holds one token per question, and a llama_decode call at most n_batch.
+    n_seq = min(n_seq_max, llama.n_batch + 1)
+    waves = plan_waves(prefix, [q.cells for q in questions], llama.n_ctx(), n_seq)
+    run = _Run(llama, mem, prefix, chunk_tokens, on_token, keep_first_logits, on_answer)
+    answers: dict[int, Answer] = {}
+    for wave in waves:
+        streams = [_Stream(i, seq, questions[i], prefix) for seq, i in enumerate(wave, start=1)]
+        for stream in run.wave(streams):
+            answers[stream.index] = stream.answer(run.started)
+    return [answers[i] for i in range(len(questions))]
+
+
+@dataclass
+class _Stream:
+    """One question's sequence while its wave runs."""
+
+    index: int
+    seq: int
+    question: Question
+    pos: int  # where the next decoded token goes
+    generated: list[int] = field(default_factory=list)
+    finish: Finish | None = None
+    first_logits: Logits | None = None
+    samples: int = 0
+    first_at: float | None = None
+    last_at: float | None = None
+    rng: np.random.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.question.seed)
+
+    @property
+    def next_token(self) -> int:
+        return self.generated[-1] if self.generated else self.question.tokens[-1]
+
+    def sample(self, logits: Logits) -> int:
+        now = time.perf_counter()
+        if self.first_at is None:
+            self.first_at = now
+        self.last_at = now
+        self.samples += 1
+        return sample(logits, self.question.temperature, self.question.top_p, self.rng)
+
+    def answer(self, started: float) -> Answer:
+        assert self.finish is not None
+        ttft = None if self.first_at is None else (self.first_at - started) * 1000
+        rate = None
+        if self.first_at is not None and self.last_at is not None and self.last_at > self.first_at:
+            # The first sample ends the prompt's work; each later one is one decode step.
+            rate = (self.samples - 1) / (self.last_at - self.first_at)
+        return Answer(self.generated, self.finish, ttft, rate, self.first_logits)
+
+
+class _Run:
+    def __init__(
+        self,
+        llama: Llama,
+        mem: llama_cpp.llama_memory_t,
+        prefix: int,
+        chunk_tokens: int,
+        on_token: OnToken | None,
+        keep_first_logits: bool,
+        on_answer: OnAnswer | None = None,
+    ) -> None:
+        self.llama = llama
+        self.ctx = llama.ctx
+        self.mem = mem
+        self.prefix = prefix
+        self.chunk_tokens = chunk_tokens
+        self.on_token = on_token
+        self.keep_first_logits = keep_first_logits
+        self.on_answer = on_answer
+        self.vocab = llama_cpp.llama_model_get_vocab(llama.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.started = time.perf_counter()
+
+    def wave(self, streams: list[_Stream]) -> list[_Stream]:
+        capacity = max(min(self.chunk_tokens, self.llama.n_batch), len(streams))
+        try:
+            with _batch(capacity) as batch:
+                for stream in streams:
+                    self._fork(stream)
+                    self._prefill(batch, stream)
+                live = streams
+                while live:
+                    self._step(batch, live)
+                    live = [s for s in live if s.finish is None]
+        finally:
+            for stream in streams:
+                llama_cpp.llama_memory_seq_rm(self.mem, stream.seq, -1, -1)
+        return streams
+
+    def _fork(self, stream: _Stream) -> None:
+        llama_cpp.llama_memory_seq_cp(self.mem, PREFIX_SEQ, stream.seq, -1, -1)
+        # A memory that ignored the copy would silently answer without the document.
+        if (
+            self.prefix
+            and llama_cpp.llama_memory_seq_pos_max(self.mem, stream.seq) != self.prefix - 1
+        ):
+            raise Unsupported("this model's memory did not fork the prefix into a new sequence")
+
+    def _prefill(self, batch: llama_cpp.llama_batch, stream: _Stream) -> None:
+        """Decode the question's tokens but its last, in the chunks a single-question run uses.
+
+        Chunks end at multiples of chunk_tokens and at the last-but-one token, and are split at
+        n_batch like Llama.eval splits them, so every cell gets the values a lone run gives it.
+        """
+        tokens = stream.question.tokens
+        end = self.prefix + len(tokens) - 1
+        position = self.prefix
+        while position < end:
+            chunk_end = min(position - position % self.chunk_tokens + self.chunk_tokens, end)
+            for start in range(position, chunk_end, self.llama.n_batch):
+                stop = min(start + self.llama.n_batch, chunk_end)
+                pieces = [(tokens[p - self.prefix], p, stream.seq) for p in range(start, stop)]
+                _fill(batch, pieces, logits=False)
+                self._decode(batch)
+            position = chunk_end
+        stream.pos = end
+
+    def _step(self, batch: llama_cpp.llama_batch, live: list[_Stream]) -> None:
+        """Decode one token per live sequence and sample each one's next token."""
+        _fill(batch, [(s.next_token, s.pos, s.seq) for s in live], logits=True)
+        self._decode(batch)
+        for row, stream in enumerate(live):
+            pointer = llama_cpp.llama_get_logits_ith(self.ctx, row)
+            logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+            if self.keep_first_logits and stream.first_logits is None:
+                stream.first_logits = logits.copy()
+            stream.pos += 1
+            self._accept(stream, stream.sample(logits))
+
+    def _accept(self, stream: _Stream, token: int) -> None:
+        if llama_cpp.llama_vocab_is_eog(self.vocab, token):
+            stream.finish = "stop"
+        else:
+            stream.generated.append(token)
+            if self.on_token is not None and self.on_token(stream.index, token):
+                stream.finish = "stop"
+            elif len(stream.generated) >= stream.question.max_tokens:
+                stream.finish = "length"
+        if stream.finish is not None:
+            # The cells go back to the wave at once; seq 0's shared cells stay.
+            llama_cpp.llama_memory_seq_rm(self.mem, stream.seq, -1, -1)
+            if self.on_answer is not None:
+                self.on_answer(stream.index, stream.answer(self.started))
+
+    def _decode(self, batch: llama_cpp.llama_batch) -> None:
+        status = llama_cpp.llama_decode(self.ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status}")
+
+
+def sample(logits: Logits, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    """Argmax at temperature 0, else a draw from the top_p nucleus of softmax(logits / T)."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    if top_p >= 1:
+        return int(rng.choice(len(probs), p=probs))
+    order = np.argsort(-probs, kind="stable")
+    cumulative = np.cumsum(probs[order])
+    # The smallest head of the ranking whose mass reaches top_p, never empty.
+    keep = min(int(np.searchsorted(cumulative, top_p)) + 1, len(order))
+    head = probs[order[:keep]]
+    return int(order[rng.choice(keep, p=head / head.sum())])
+
+
+@contextlib.contextmanager
+def _batch(capacity: int) -> Iterator[llama_cpp.llama_batch]:
+    batch = llama_cpp.llama_batch_init(capacity, 0, 1)
+    try:
+        yield batch
+    finally:
+        llama_cpp.llama_batch_free(batch)
+
+
+def _fill(
+    batch: llama_cpp.llama_batch, pieces: Sequence[tuple[int, int, int]], logits: bool
+) -> None:
+    """Put (token, position, sequence) triples into `batch`, asking logits for all or none."""
+    for i, (token, pos, seq) in enumerate(pieces):
+        batch.token[i] = token
+        batch.pos[i] = pos  # type: ignore[call-overload]  # stub says array of arrays
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = logits
+    batch.n_tokens = len(pieces)
