@@ -71,6 +71,10 @@ class GranaryCollector(Collector):
             "Prefix tokens computed by warm jobs",
             value=counters.get("warm_tokens", 0),
         )
+        for name in job_metrics.SPECULATION_COUNTERS:
+            yield CounterMetricFamily(
+                f"granary_{name}", name.replace("_", " "), value=counters.get(name, 0)
+            )
         for name in job_metrics.TOKEN_COUNTERS:
             yield CounterMetricFamily(
                 f"granary_{name}", f"{name.replace('_', ' ')}", value=counters.get(name, 0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,43 +143,40 @@ def _peer_server(settings: Settings, log_dir: Path, doc: str) -> Way:
     return Way("llama_cpp.server, RAM cache on, one by one", seconds, answers)
 
 
+def _cache(settings: Settings, **changes: object) -> Settings:
+    return settings.model_copy(update={"cache": settings.cache.model_copy(update=changes)})
+
+
+def _on_stack(settings: Settings, log_dir: Path, measure: Callable[[Stack], Way]) -> Way:
+    stack = Stack(settings, log_dir)
+    try:
+        stack.start_api()
+        stack.start_worker("worker-0")
+        return measure(stack)
+    finally:
+        stack.stop()
+
+
 def section(settings: Settings, log_dir: Path) -> str:
     doc = _doc()
-    cold_settings = settings.model_copy(
-        update={"cache": settings.cache.model_copy(update={"enabled": False})}
-    )
-    ways: list[Way] = []
-    cold = Stack(cold_settings, log_dir)
-    try:
-        cold.start_api()
-        cold.start_worker("worker-0")
-        ways.append(_one_by_one(cold, doc, "16 independent cold jobs", restart=True))
-    finally:
-        cold.stop()
-    for label, run in (
-        ("granary extraction job", lambda s: _extraction(s, doc)),
-        (
-            "16 jobs through granary's cache",
-            lambda s: _one_by_one(s, doc, "16 jobs through granary's cache", False),
-        ),
-    ):
-        stack = Stack(
-            settings.model_copy(
-                update={
-                    "cache": settings.cache.model_copy(
-                        update={"dir": log_dir / label.replace(" ", "-")}
-                    )
-                }
-            ),
+    ways = [
+        _on_stack(
+            _cache(settings, enabled=False),
             log_dir,
-        )
-        try:
-            stack.start_api()
-            stack.start_worker("worker-0")
-            ways.append(run(stack))
-        finally:
-            stack.stop()
-    ways.append(_peer_server(settings, log_dir, doc))
+            lambda s: _one_by_one(s, doc, "16 independent cold jobs", restart=True),
+        ),
+        _on_stack(
+            _cache(settings, dir=log_dir / "kv-extraction"),
+            log_dir,
+            lambda s: _extraction(s, doc),
+        ),
+        _on_stack(
+            _cache(settings, dir=log_dir / "kv-one-by-one"),
+            log_dir,
+            lambda s: _one_by_one(s, doc, "16 jobs through granary's cache", restart=False),
+        ),
+        _peer_server(settings, log_dir, doc),
+    ]
     return _render(settings, ways)
 
 

@@ -85,7 +85,9 @@ def _spec_dir(root: Path, docs: list[str]) -> Path:
 def section(settings: Settings, log_dir: Path, n_items: int, rounds: int) -> str:
     warmed = [document(n_items, seed=500 + r).rsplit("\n", 1)[0] for r in range(rounds)]
     cold = [document(n_items, seed=900 + r).rsplit("\n", 1)[0] for r in range(rounds)]
-    warmer = {"schedule": "*/5 * * * * *", "spec_dir": _spec_dir(log_dir / "warm", warmed)}
+    warmer = settings.warmer.model_copy(
+        update={"schedule": "*/5 * * * * *", "spec_dir": _spec_dir(log_dir / "warm", warmed)}
+    )
     stack = Stack(settings.model_copy(update={"warmer": warmer}), log_dir)
     try:
         stack.start_api()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from redis import Redis
 
 from shared import keys
-from shared.schemas import Timings, Usage
+from shared.schemas import SpeculationReport, Timings, Usage
 
 # Upper bounds; the last bucket (+Inf) is implicit.
 HISTOGRAMS: dict[str, tuple[float, ...]] = {
@@ -47,6 +47,16 @@ def record_job(redis: Redis, usage: Usage, timings: Timings) -> None:
                 pipe.hincrby(key, _bucket(name, value), 1)
                 pipe.hincrbyfloat(key, "sum", value)
                 pipe.hincrby(key, "count", 1)
+        pipe.execute()
+
+
+SPECULATION_COUNTERS = ("speculation_drafted_tokens", "speculation_accepted_tokens")
+
+
+def record_speculation(redis: Redis, report: SpeculationReport) -> None:
+    with redis.pipeline(transaction=False) as pipe:
+        pipe.hincrby(keys.metrics_counters(), "speculation_drafted_tokens", report.drafted)
+        pipe.hincrby(keys.metrics_counters(), "speculation_accepted_tokens", report.accepted)
         pipe.execute()
 
 

@@ -23,6 +23,7 @@ from shared.schemas import (
     JobResult,
     JobStatus,
     JobView,
+    SpeculationReport,
     Timings,
     TokenEvent,
     Usage,
@@ -30,7 +31,7 @@ from shared.schemas import (
 )
 from shared.scripts import Scripts
 
-_JSON_FIELDS = ("result", "warm", "extraction", "usage", "timings")
+_JSON_FIELDS = ("result", "warm", "extraction", "speculation", "usage", "timings")
 Order = TypeVar("Order", bound=BaseModel)
 
 
@@ -166,6 +167,7 @@ class JobStore:
         result: JobResult | None = None,
         warm: WarmResult | None = None,
         extraction: ExtractionResult | None = None,
+        speculation: SpeculationReport | None = None,
         usage: Usage | None = None,
         timings: Timings | None = None,
         error: str | None = None,
@@ -175,6 +177,7 @@ class JobStore:
             "result": result,
             "warm": warm,
             "extraction": extraction,
+            "speculation": speculation,
             "usage": usage,
             "timings": timings,
         }

@@ -41,6 +41,9 @@ class Message(BaseModel):
     content: Text
 
 
+Speculation = Literal["auto", "on", "off"]
+
+
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -100,6 +103,9 @@ class JobRequest(SamplingParams, DocumentFields):
 
     prompt: Text | None = None
     messages: list[Message] | None = Field(None, min_length=1)
+    # Draft tokens from the prompt and past outputs and verify them in one pass: `auto` keeps
+    # it on only while it is faster. None: the server's default (`jobs.speculation`).
+    speculation: Speculation | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> JobRequest:
@@ -249,6 +255,7 @@ class WorkOrder(BaseModel):
     stop: list[str]
     # Jobs with different namespaces never share cached or in-memory prefixes.
     cache_namespace: str | None = None
+    speculation: Speculation = "off"
     # The document the prompt was rendered from: workers record its use, and the warmer
     # re-warms documents that are used often (rendering them again for whatever model runs).
     document: DocumentFields | None = None
@@ -266,6 +273,17 @@ class ExtractOrder(BaseModel):
     seed: int
     stop: list[str]
     cache_namespace: str | None = None
+
+
+class SpeculationReport(BaseModel):
+    """How speculative decoding did in one job."""
+
+    mode: Speculation
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_rate: float | None = None
+    # The worker's estimate of decode speed with drafting over without (None: not measured).
+    speedup: float | None = None
 
 
 class Usage(BaseModel):
@@ -318,6 +336,7 @@ class JobView(BaseModel):
     result: JobResult | None = None
     warm: WarmResult | None = None
     extraction: ExtractionResult | None = None
+    speculation: SpeculationReport | None = None
     usage: Usage = Usage()
     timings: Timings = Timings()
     error: str | None = None

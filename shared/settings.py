@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import (
@@ -42,11 +42,18 @@ class WorkerSettings(BaseModel):
     # Questions of one extraction decoded together (more wait for the next wave). Each adds
     # a sequence to the context; KV cells are shared, so memory grows only with their tokens.
     max_sequences: int = Field(16, ge=1, le=63)
+    # Past outputs, an n-gram index speculative decoding drafts from (SQLite; local disk,
+    # shared by the workers of one host). None: `<data_dir>/drafts.sqlite3`.
+    draft_archive: Path | None = None
+    draft_archive_max_bytes: int = Field(64 * 1024**2, ge=1024**2)
 
 
 class JobSettings(BaseModel):
     default_max_tokens: int = Field(256, gt=0)
     result_ttl_s: int = Field(86_400, gt=0)
+    # For requests that do not say. Off by default: batched verification rounds logits
+    # differently, so greedy output can differ from plain decoding at near-ties.
+    speculation: Literal["auto", "on", "off"] = "off"
 
 
 class CacheSettings(BaseModel):

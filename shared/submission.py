@@ -25,6 +25,7 @@ from shared.schemas import (
     JobRequest,
     JobStatus,
     JobView,
+    Speculation,
     WorkOrder,
 )
 from shared.settings import Settings
@@ -41,7 +42,12 @@ def queue(redis: Redis, name: str) -> Queue:
 
 
 def work_order_for(
-    tokenizer: Llama, request: JobRequest, *, n_ctx: int, default_max_tokens: int
+    tokenizer: Llama,
+    request: JobRequest,
+    *,
+    n_ctx: int,
+    default_max_tokens: int,
+    default_speculation: Speculation = "off",
 ) -> WorkOrder:
     """Render and count the prompt; refuse one that leaves no room in the context window."""
     prompt = render_prompt(tokenizer, request)
@@ -68,6 +74,7 @@ def work_order_for(
         # A fixed seed makes a re-run after a worker crash repeat the tokens already sent.
         seed=request.seed if request.seed is not None else secrets.randbelow(2**32),
         stop=request.stop,
+        speculation=request.speculation or default_speculation,
         document=DocumentFields.model_validate(request.model_dump(include=DOCUMENT_FIELDS))
         if request.document is not None
         else None,
@@ -127,7 +134,11 @@ class Submitter:
         if isinstance(request, ExtractionRequest):
             order, kind = extract_order_for(self._tokenizer, request, **limits), "extract"
         else:
-            order, kind = work_order_for(self._tokenizer, request, **limits), "generate"
+            speculation = self._settings.jobs.speculation
+            order = work_order_for(
+                self._tokenizer, request, **limits, default_speculation=speculation
+            )
+            kind = "generate"
         if self._settings.cache.per_key and owner is not None:
             order = order.model_copy(update={"cache_namespace": owner})
         job_id = uuid.uuid4().hex

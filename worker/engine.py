@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import llama_cpp
@@ -22,6 +22,7 @@ from shared.prefix_keys import common_prefix_len
 from shared.schemas import (
     FinishReason,
     JobResult,
+    SpeculationReport,
     Timings,
     Usage,
     WarmOrder,
@@ -30,6 +31,7 @@ from shared.schemas import (
 )
 from worker import kv_state
 from worker.prefix_saver import PrefixSaver
+from worker.speculation import Speculator
 from worker.text_stream import TextStream
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class Generation:
     timings: Timings
     # Where the prompt's declared shared prefix (a document) ends, if it has one.
     prefix_tokens: int | None = None
+    speculation: SpeculationReport | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,7 @@ class Engine:
         cache: PrefixCache | None = None,
         saver: PrefixSaver | None = None,
         min_snapshot_tokens: int = 32,
+        speculator: Speculator | None = None,
     ) -> None:
         self.llama = llama
         # Prefill chunks end at multiples of this (the cache's block size) and at the prompt's
@@ -82,6 +86,7 @@ class Engine:
         self._namespace: str | None = None
         self._saver = saver
         self._min_snapshot_tokens = min_snapshot_tokens
+        self.speculator = speculator
         self._vocab = llama_cpp.llama_model_get_vocab(llama.model)
         self.truncatable = memory_is_truncatable(llama)
         # Memory cells before this position were computed by canonical chunks, with these
@@ -113,7 +118,7 @@ class Engine:
         prefill_started = time.perf_counter()
         self._prefill(cache, prompt, cached, prompt.limit)
         max_tokens = min(order.max_tokens, self.n_ctx - len(tokens))
-        decoded = self._decode(tokens[-1:], order, max_tokens, on_token)
+        decoded = self._decode(tokens, order, max_tokens, on_token)
         return Generation(
             result=JobResult(text=decoded.text, finish_reason=decoded.finish_reason),
             usage=Usage(
@@ -123,6 +128,7 @@ class Engine:
             ),
             timings=decoded.timings(started, prefill_started, restore_ms),
             prefix_tokens=boundary,
+            speculation=decoded.speculation,
         )
 
     def warm(self, order: WarmOrder, should_yield: Callable[[], bool]) -> WarmResult:
@@ -287,31 +293,44 @@ class Engine:
         return {p for p in points if start < p <= end and p >= self._min_snapshot_tokens}
 
     def _decode(
-        self, fresh: list[int], order: WorkOrder, max_tokens: int, on_token: OnToken
+        self, prompt: list[int], order: WorkOrder, max_tokens: int, on_token: OnToken
     ) -> _Decoded:
+        """Sample after `prompt` (memory holds all of it but the last token)."""
         llama = self.llama
         llama.set_seed(order.seed)
+        if order.speculation == "off" or self.speculator is None:
+            tokens = llama.generate(
+                prompt[-1:], temp=order.temperature, top_p=order.top_p, reset=False
+            )
+            try:
+                return self._consume(tokens, order, max_tokens, on_token)
+            finally:
+                tokens.close()
+        with self.speculator.decode(llama, prompt, order, max_tokens) as run:
+            decoded = self._consume(iter(run), order, max_tokens, on_token)
+        decoded.speculation = run.report()
+        return decoded
+
+    def _consume(
+        self, tokens: Iterator[int], order: WorkOrder, max_tokens: int, on_token: OnToken
+    ) -> _Decoded:
         stream = TextStream(stop=order.stop)
         decoded = _Decoded()
-        tokens = llama.generate(fresh, temp=order.temperature, top_p=order.top_p, reset=False)
-        try:
-            for token in tokens:
-                decoded.tick()
-                if llama_cpp.llama_vocab_is_eog(self._vocab, token):
-                    decoded.finish_reason = "stop"
-                    break
-                decoded.count += 1
-                piece = stream.feed(llama.detokenize([token]))
-                if on_token(decoded.count - 1, piece):
-                    decoded.finish_reason = "cancelled"
-                    break
-                if stream.stopped:
-                    decoded.finish_reason = "stop"
-                    break
-                if decoded.count >= max_tokens:
-                    break
-        finally:
-            tokens.close()
+        for token in tokens:
+            decoded.tick()
+            if llama_cpp.llama_vocab_is_eog(self._vocab, token):
+                decoded.finish_reason = "stop"
+                break
+            decoded.count += 1
+            piece = stream.feed(self.llama.detokenize([token]))
+            if on_token(decoded.count - 1, piece):
+                decoded.finish_reason = "cancelled"
+                break
+            if stream.stopped:
+                decoded.finish_reason = "stop"
+                break
+            if decoded.count >= max_tokens:
+                break
         tail = stream.flush()
         if tail:
             on_token(decoded.count, tail)
@@ -339,6 +358,7 @@ class _Decoded:
     ticks: int = 0
     text: str = ""
     finish_reason: FinishReason = "length"
+    speculation: SpeculationReport | None = None
     first_at: float | None = None
     last_at: float | None = None
 

@@ -5,15 +5,19 @@ from __future__ import annotations
 import logging
 
 from shared.cache_counters import CounterPublisher
+from shared.fingerprint import model_fingerprint
 from shared.job_store import JobStore
+from shared.models import resolve_model
 from shared.prefix_cache import open_cache
 from shared.redis_server import connect
 from shared.settings import Settings
 from shared.warm_runs import WarmRuns
 from worker import tasks
+from worker.draft_archive import DraftArchive
 from worker.engine import Engine, memory_is_truncatable
 from worker.multi_sequence import load_multi_sequence_llama
 from worker.prefix_saver import PrefixSaver
+from worker.speculation import Speculator
 from worker.worker import GranaryWorker
 
 log = logging.getLogger(__name__)
@@ -23,10 +27,19 @@ def build_engine(settings: Settings) -> Engine:
     # Sequence 0 holds every job's prompt; extraction questions fork into the others.
     llama = load_multi_sequence_llama(settings, settings.worker.max_sequences + 1)
     block_tokens = settings.cache.block_tokens
+    speculator = _speculator(settings)
     if not settings.cache.enabled:
-        return Engine(llama, block_tokens)
+        return Engine(llama, block_tokens, speculator=speculator)
     cache = open_cache(settings, truncatable=memory_is_truncatable(llama))
-    return Engine(llama, block_tokens, cache, PrefixSaver(), settings.cache.min_tokens)
+    return Engine(llama, block_tokens, cache, PrefixSaver(), settings.cache.min_tokens, speculator)
+
+
+def _speculator(settings: Settings) -> Speculator:
+    worker = settings.worker
+    path = worker.draft_archive or settings.data_dir / "drafts.sqlite3"
+    archive = DraftArchive(path, max_bytes=worker.draft_archive_max_bytes)
+    model = resolve_model(settings.model, settings.data_dir)
+    return Speculator(archive, model_fingerprint(model, settings.data_dir))
 
 
 def run_worker(settings: Settings) -> None:

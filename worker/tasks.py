@@ -15,7 +15,7 @@ from rq.job import Job
 
 from shared import keys
 from shared.cache_counters import CounterPublisher
-from shared.job_metrics import record_job
+from shared.job_metrics import record_job, record_speculation
 from shared.job_store import JobStore
 from shared.prefix_usage import PrefixUsage
 from shared.schemas import (
@@ -24,6 +24,7 @@ from shared.schemas import (
     ExtractOrder,
     JobResult,
     JobStatus,
+    SpeculationReport,
     Timings,
     Usage,
     WarmOrder,
@@ -68,7 +69,14 @@ class Runtime:
             return
         order, generation = outcome
         cancelled = generation.result.finish_reason == "cancelled"
-        self._finish(job_id, cancelled, generation.usage, generation.timings, generation.result)
+        self._finish(
+            job_id,
+            cancelled,
+            generation.usage,
+            generation.timings,
+            generation.result,
+            generation.speculation,
+        )
         if order.document is not None and generation.prefix_tokens is not None:
             self._record_prefix_use(
                 order.document, order.cache_namespace, generation.usage, generation.prefix_tokens
@@ -115,6 +123,7 @@ class Runtime:
         usage: Usage,
         timings: Timings,
         result: JobResult | ExtractionResult,
+        speculation: SpeculationReport | None = None,
     ) -> None:
         view = self.store.get(job_id)
         queued_ms = ((view.started_at or view.created_at) - view.created_at) * 1000
@@ -123,8 +132,17 @@ class Runtime:
         if isinstance(result, ExtractionResult):
             self.store.finish(job_id, status, extraction=result, usage=usage, timings=timings)
         else:
-            self.store.finish(job_id, status, result=result, usage=usage, timings=timings)
+            self.store.finish(
+                job_id,
+                status,
+                result=result,
+                speculation=speculation,
+                usage=usage,
+                timings=timings,
+            )
         record_job(self._redis, usage, timings)
+        if speculation is not None:
+            record_speculation(self._redis, speculation)
         if self._counters is not None:
             self._counters.publish()
 

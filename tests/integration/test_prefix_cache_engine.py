@@ -19,6 +19,7 @@ from shared.submission import work_order_for
 from tests.conftest import DATA_DIR
 from worker.engine import Engine, Generation, memory_is_truncatable
 from worker.prefix_saver import PrefixSaver
+from worker.speculation import Speculator
 
 BLOCK = 64
 DOC = " ".join(f"Crate {i} holds {i * 7 % 13} pears for shop {i % 5}." for i in range(24))
@@ -41,8 +42,10 @@ class Models:
         self.llama = load_llama(self.settings)
         self.cache = open_cache(self.settings, truncatable=memory_is_truncatable(self.llama))
         self.saver = PrefixSaver()
-        self.warm = Engine(self.llama, BLOCK, self.cache, self.saver, 16)
-        self.cold = Engine(self.llama, BLOCK)
+        # Speculation on either side (when a request asks): drafts depend only on the prompt,
+        # the output and the logits, so identical cells still give identical output.
+        self.warm = Engine(self.llama, BLOCK, self.cache, self.saver, 16, Speculator(None, "t"))
+        self.cold = Engine(self.llama, BLOCK, speculator=Speculator(None, "t"))
 
     def run(self, engine: Engine, prompt: str, max_tokens: int = 32) -> Generation:
         engine.forget()
@@ -124,6 +127,8 @@ INSTRUCTIONS = "Answer from the document only, briefly."
 # Ends mid-block on every model: the whole document must still be restorable.
 QUESTIONS = ["Which crates belong to shop 3?", "How many pears are in crate 5?"]
 SAMPLED = {"temperature": 0.9, "top_p": 0.9, "seed": 7}
+# The reference system's bug: its speculative path returned before consulting the prefix cache.
+SPECULATIVE = {"speculation": "on"}
 
 
 def ask(models: Models, engine: Engine, question: str, **sampling: object) -> Generation:
@@ -144,7 +149,11 @@ def warm(models: Models, should_yield: Callable[[], bool] = lambda: False) -> Wa
     return models.warm.warm(WarmOrder(item=item), should_yield)
 
 
-@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampling",
+    [{}, SAMPLED, SPECULATIVE, SPECULATIVE | SAMPLED],
+    ids=["greedy", "sampled", "speculative", "speculative-sampled"],
+)
 def test_warmed_document_restores_in_full_and_answers_as_cold(
     models: Models, sampling: dict[str, object]
 ) -> None:
@@ -157,6 +166,8 @@ def test_warmed_document_restores_in_full_and_answers_as_cold(
         hot = ask(models, models.warm, question, **sampling)
         assert hot.usage.cached_tokens == result.prefix_tokens == hot.prefix_tokens
         assert hot.result.text == cold.result.text
+        if "speculation" in sampling:
+            assert hot.speculation is not None and hot.speculation.mode == "on"
 
 
 def test_a_question_leaves_the_document_for_the_next(models: Models) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -15,7 +17,7 @@ from shared import keys
 from shared.job_store import JobStore
 from shared.settings import Settings
 from shared.warm_runs import WarmRuns, WarmRunView
-from tests.harness import Stack
+from tests.harness import Stack, settings_env
 from tests.integration.test_job_path import events, submit, wait_status
 
 CACHE = {"block_tokens": 64, "min_tokens": 16}
@@ -150,3 +152,37 @@ def test_a_restarted_warmer_catches_up_once(stack_factory: Callable[..., Stack])
     time.sleep(3)
     assert [r.id for r in runs.recent()] == [first[0].id]
     assert isinstance(first[0], WarmRunView)
+
+
+def test_granary_warm_cli_then_every_decoding_mode_hits(
+    stack_factory: Callable[..., Stack], tmp_path: Path
+) -> None:
+    stack = stack_factory(cache=CACHE)
+    doc = tmp_path / "invoice.txt"
+    doc.write_text(INVOICE, encoding="utf-8")
+    command = [sys.executable, "-m", "shared.cli", "warm", str(doc), "--instructions", INSTRUCTIONS]
+    done = subprocess.run(
+        command, env=settings_env(stack.settings), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    prefix = int(done.stdout.split(": ", 1)[1].split(" tokens")[0])
+    assert f"{prefix} tokens, {prefix} computed" in done.stdout
+    again = subprocess.run(
+        command, env=settings_env(stack.settings), capture_output=True, text=True, timeout=300
+    )
+    assert f"{prefix} tokens, already cached" in again.stdout
+    stack.stop_process("worker-1")  # only the disk holds the document now
+    stack.start_worker("worker-2")
+    # A different question each time: a repeated one would also restore its own tokens.
+    modes = ({}, {"temperature": 0.8, "seed": 3}, {"speculation": "on"})
+    for line, extra in enumerate(modes, start=1):
+        answer = ask(stack, INVOICE, prompt=f"What is on line {line}?", **extra)
+        assert answer["usage"]["cached_tokens"] == prefix, extra
+    body = {
+        "document": INVOICE,
+        "instructions": INSTRUCTIONS,
+        "questions": [{"id": "a", "question": "Total?"}, {"id": "b", "question": "Lines?"}],
+        "max_tokens": 4,
+    }
+    job = httpx.post(f"{stack.url}/v1/extractions", json=body).json()
+    assert wait_status(stack, job["id"], {"finished"}, 120)["usage"]["cached_tokens"] == prefix

@@ -1,0 +1,79 @@
+"""Speculative decoding in the worker: draft sources, the controller and the archive, per job.
+
+One `Speculator` per worker process holds the controller (what drafting has been worth on
+this worker lately) and the generation archive (past outputs of this model). For each job it
+builds a `SpeculativeDecoder` drafting from the prompt, the job's own output and the archive,
+and afterwards archives the output and reports what drafting did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from llama_cpp import Llama
+
+from shared.schemas import Speculation, SpeculationReport, WorkOrder
+from worker.draft_archive import ArchiveDrafts, DraftArchive
+from worker.draft_sources import FirstOf, NgramLookup
+from worker.speculation_control import SpeculationController
+from worker.speculative import Sampling, SpeculativeDecoder
+
+
+@dataclass
+class SpeculativeRun:
+    decoder: SpeculativeDecoder
+    mode: Speculation
+    output: list[int] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[int]:
+        for token in self.decoder:
+            self.output.append(token)
+            yield token
+
+    def report(self) -> SpeculationReport:
+        stats = self.decoder.stats
+        return SpeculationReport(
+            mode=self.mode,
+            drafted=stats.drafted,
+            accepted=stats.accepted,
+            acceptance_rate=stats.acceptance_rate,
+            speedup=stats.speedup,
+        )
+
+
+class Speculator:
+    def __init__(self, archive: DraftArchive | None, fingerprint: str) -> None:
+        self.controller = SpeculationController()
+        self._archive = archive
+        self._fingerprint = fingerprint
+
+    @contextmanager
+    def decode(
+        self, llama: Llama, prompt: list[int], order: WorkOrder, max_tokens: int
+    ) -> Iterator[SpeculativeRun]:
+        """Tokens after `prompt` (memory holds all of it but its last token)."""
+        sources: list[NgramLookup | ArchiveDrafts] = [NgramLookup(prompt)]
+        if self._archive is not None:
+            archived = ArchiveDrafts(self._archive, self._fingerprint)
+            archived.extend(prompt)
+            sources.append(archived)
+        planner = self.controller.job(order.speculation)
+        decoder = SpeculativeDecoder(
+            llama,
+            prompt[-1],
+            sampling=Sampling(temperature=order.temperature, top_p=order.top_p),
+            source=FirstOf(*sources),
+            planner=planner,
+            seed=order.seed,
+            max_tokens=max_tokens,
+        )
+        run = SpeculativeRun(decoder, order.speculation)
+        try:
+            with decoder:
+                yield run
+        finally:
+            planner.finish()
+            if self._archive is not None and run.output:
+                self._archive.add(self._fingerprint, run.output)
