@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from bench import chunk_shape, extraction, job_path, machine, prefix_cache, warm
@@ -69,28 +71,41 @@ def _extraction_section(redis_url: str, log_dir: Path) -> str:
     return extraction.section(settings, log_dir)
 
 
+def _chunk_shape_section(redis_url: str) -> str:
+    models = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
+    return chunk_shape.section([_settings(redis_url, m) for m in models])
+
+
+def _kept(name: str, suite: Callable[[], list[str]]) -> list[str]:
+    """A suite that fails is reported in the document; it never costs the others' results."""
+    try:
+        return suite()
+    except Exception:
+        return [f"## {name}: FAILED\n\n```\n{traceback.format_exc()}```\n"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     parser.add_argument(
         "--only",
-        choices=["job_path", "prefix_cache", "chunk_shape", "warm", "extraction"],
+        choices=["job_path", "prefix_cache", "warm", "extraction", "chunk_shape"],
         help="one suite, printed, not written",
     )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, private_redis(Path(tmp) / "redis") as redis_url:
+        log_dir = Path(tmp)
+        suites: dict[str, Callable[[], list[str]]] = {
+            "job_path": lambda: [_job_path_section(redis_url, log_dir, args.quick)],
+            "prefix_cache": lambda: _prefix_cache_sections(redis_url, log_dir, args.quick),
+            "warm": lambda: [_warm_section(redis_url, log_dir, args.quick)],
+            "extraction": lambda: [_extraction_section(redis_url, log_dir)],
+            "chunk_shape": lambda: [_chunk_shape_section(redis_url)],
+        }
         sections = []
-        if args.only in (None, "job_path"):
-            sections.append(_job_path_section(redis_url, Path(tmp), args.quick))
-        if args.only in (None, "prefix_cache"):
-            sections += _prefix_cache_sections(redis_url, Path(tmp), args.quick)
-        if args.only in (None, "warm"):
-            sections.append(_warm_section(redis_url, Path(tmp), args.quick))
-        if args.only in (None, "extraction"):
-            sections.append(_extraction_section(redis_url, Path(tmp)))
-        if args.only in (None, "chunk_shape"):
-            models = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
-            sections.append(chunk_shape.section([_settings(redis_url, m) for m in models]))
+        for name, suite in suites.items():
+            if args.only in (None, name):
+                sections += _kept(name, suite)
     if args.only:
         print("\n".join(sections))
         return
