@@ -45,8 +45,10 @@ class Run:
     job: dict[str, Any]
 
 
-def timed_job(stack: Stack, prompt: str) -> Run:
-    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+def timed_job(stack: Stack, prompt: str | dict[str, Any]) -> Run:
+    """Submit and follow a job; time to first token at the client. `prompt`: text or a body."""
+    body = prompt if isinstance(prompt, dict) else {"prompt": prompt}
+    body = {"max_tokens": 4, "temperature": 0, **body}
     with httpx.Client(base_url=stack.url, timeout=600) as client:
         started = time.perf_counter()
         job_id = client.post("/v1/jobs", json=body).json()["id"]

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
-from httpx_sse import connect_sse
 
-from bench.prefix_cache import document, fresh_worker
+from bench.prefix_cache import Run, document, fresh_worker, timed_job
 from shared.settings import Settings
 from tests.harness import Stack
 
@@ -26,33 +23,8 @@ INSTRUCTIONS = "Answer questions about this purchase order ledger."
 QUESTION = "How many lines are pending? Answer:"
 
 
-@dataclass(frozen=True, slots=True)
-class Asked:
-    client_ttft_s: float
-    job: dict[str, Any]
-
-
-def ask(stack: Stack, doc: str) -> Asked:
-    body = {
-        "document": doc,
-        "instructions": INSTRUCTIONS,
-        "prompt": QUESTION,
-        "max_tokens": 4,
-        "temperature": 0,
-    }
-    with httpx.Client(base_url=stack.url, timeout=600) as client:
-        started = time.perf_counter()
-        job_id = client.post("/v1/jobs", json=body).json()["id"]
-        first = None
-        with connect_sse(client, "GET", f"/v1/jobs/{job_id}/events") as source:
-            for sse in source.iter_sse():
-                if sse.event == "token" and first is None:
-                    first = time.perf_counter()
-                if sse.event in ("done", "error"):
-                    final = orjson.loads(sse.data)
-                    break
-    assert final["status"] == "finished" and first is not None, final
-    return Asked(first - started, final)
+def ask(stack: Stack, doc: str) -> Run:
+    return timed_job(stack, {"document": doc, "instructions": INSTRUCTIONS, "prompt": QUESTION})
 
 
 def _runs(stack: Stack) -> list[dict[str, Any]]:
@@ -130,7 +102,7 @@ def _interactive_wait(stack: Stack, doc: str) -> tuple[float, float]:
 def _render(
     settings: Settings,
     run: dict[str, Any],
-    pairs: list[tuple[Asked, Asked]],
+    pairs: list[tuple[Run, Run]],
     wait_ms: float,
     chunk_ms: float,
 ) -> str:

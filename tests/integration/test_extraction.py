@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,7 +14,7 @@ import orjson
 import pytest
 from httpx_sse import connect_sse
 
-from tests.harness import Stack
+from tests.harness import Stack, settings_env
 from tests.integration.test_job_path import is_keepalive, submit, wait_status
 
 INSTRUCTIONS = "Answer from the invoice only, in a few words."
@@ -228,3 +231,30 @@ def test_cancelling_a_batch_keeps_finished_items(stack_factory: Callable[..., St
     assert len(finished) == final["counts"]["succeeded"] >= 1
     assert all(r["extraction"] is not None for r in finished)
     assert httpx.get(f"{stack.url}/v1/batches/nope").status_code == 404
+
+
+def test_extract_and_batch_commands(stack_factory: Callable[..., Stack], tmp_path: Path) -> None:
+    stack = stack_factory(cache=CACHE)
+    env = settings_env(stack.settings)
+    doc = tmp_path / "invoice.txt"
+    doc.write_text(INVOICE, encoding="utf-8")
+    cli = [sys.executable, "-m", "shared.cli"]
+    extract = [*cli, "extract", str(doc), "--question", QUESTIONS[0], "--question", QUESTIONS[1]]
+    done = subprocess.run(extract, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert set(orjson.loads(done.stdout)) == {"1", "2"}
+    assert "2/2" in done.stderr  # the progress bar reached every answer
+    items = tmp_path / "items.jsonl"
+    items.write_bytes(b"\n".join(orjson.dumps(item) for item in batch_items(3)))
+    out = tmp_path / "results.jsonl"
+    done = subprocess.run(
+        [*cli, "batch", str(items), "-o", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    results = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert [r["custom_id"] for r in results] == ["item-0", "item-1", "item-2"]
+    assert all(r["status"] == "finished" for r in results)
