@@ -25,6 +25,7 @@ from llama_cpp import _internals as internals
 from shared.errors import ContextOverflow, GranaryError
 from shared.llm import _quiet_native_logs, load_llama
 from shared.settings import Settings
+from worker.near_tie import TIE_MARGIN, is_near_tie
 
 PREFIX_SEQ = 0
 
@@ -201,6 +202,8 @@ class _Stream:
     seq: int
     question: Question
     pos: int  # where the next decoded token goes
+    # Cells below this position hold what a lone run computes (prefilled or decoded alone).
+    exact_until: int = 0
     generated: list[int] = field(default_factory=list)
     finish: Finish | None = None
     first_logits: Logits | None = None
@@ -215,6 +218,13 @@ class _Stream:
     @property
     def next_token(self) -> int:
         return self.generated[-1] if self.generated else self.question.tokens[-1]
+
+    def token_at(self, pos: int) -> int:
+        """The token whose cell is at `pos`, for positions after the shared prefix."""
+        offset = pos - self.pos + len(self.generated)  # self.pos holds next_token
+        if offset >= 0:
+            return self.generated[offset - 1] if offset else self.question.tokens[-1]
+        return self.question.tokens[offset - 1]
 
     def sample(self, logits: Logits) -> int:
         now = time.perf_counter()
@@ -244,6 +254,7 @@ class _Run:
         on_token: OnToken | None,
         keep_first_logits: bool,
         on_answer: OnAnswer | None = None,
+        tie_margin: float = TIE_MARGIN,
     ) -> None:
         self.llama = llama
         self.ctx = llama.ctx
@@ -256,6 +267,10 @@ class _Run:
         self.vocab = llama_cpp.llama_model_get_vocab(llama.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.started = time.perf_counter()
+        self.tie_margin = tie_margin
+        # Near ties decided alone, and the cells recomputed one by one for them.
+        self.tie_replays = 0
+        self.replayed = 0
 
     def wave(self, streams: list[_Stream]) -> list[_Stream]:
         capacity = max(min(self.chunk_tokens, self.llama.n_batch), len(streams))
@@ -299,19 +314,57 @@ class _Run:
                 _fill(batch, pieces, logits=False)
                 self._decode(batch)
             position = chunk_end
-        stream.pos = end
+        stream.pos = stream.exact_until = end
 
     def _step(self, batch: llama_cpp.llama_batch, live: list[_Stream]) -> None:
-        """Decode one token per live sequence and sample each one's next token."""
+        """Decode one token per live sequence and sample each one's next token.
+
+        A greedy row whose top two logits nearly tie is decided again alone (worker/near_tie.py),
+        after the others: a second decode overwrites the batch's logits.
+        """
         _fill(batch, [(s.next_token, s.pos, s.seq) for s in live], logits=True)
         self._decode(batch)
+        ties: list[_Stream] = []
         for row, stream in enumerate(live):
-            pointer = llama_cpp.llama_get_logits_ith(self.ctx, row)
-            logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
-            if self.keep_first_logits and stream.first_logits is None:
-                stream.first_logits = logits.copy()
-            stream.pos += 1
-            self._accept(stream, stream.sample(logits))
+            logits = self._logits(row)
+            if (
+                len(live) > 1
+                and stream.question.temperature <= 0
+                and is_near_tie(logits, self.tie_margin)
+            ):
+                ties.append(stream)
+            else:
+                self._take(stream, logits, alone=len(live) == 1)
+        for stream in ties:
+            self._replay_alone(batch, stream)
+            self._take(stream, self._logits(0), alone=False)
+
+    def _replay_alone(self, batch: llama_cpp.llama_batch, stream: _Stream) -> None:
+        """Recompute, one token at a time, every cell of `stream` written by a batched step.
+
+        Redoing only the tied row is not enough: the cells batched steps wrote before it hold
+        slightly different values too. Afterwards the logits of row 0 are a lone run's.
+        """
+        begin = stream.exact_until
+        llama_cpp.llama_memory_seq_rm(self.mem, stream.seq, begin, -1)
+        for pos in range(begin, stream.pos + 1):
+            _fill(batch, [(stream.token_at(pos), pos, stream.seq)], logits=pos == stream.pos)
+            self._decode(batch)
+        stream.exact_until = stream.pos + 1
+        self.tie_replays += 1
+        self.replayed += stream.pos + 1 - begin
+
+    def _logits(self, row: int) -> Logits:
+        pointer = llama_cpp.llama_get_logits_ith(self.ctx, row)
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+
+    def _take(self, stream: _Stream, logits: Logits, alone: bool) -> None:
+        if self.keep_first_logits and stream.first_logits is None:
+            stream.first_logits = logits.copy()
+        if alone and stream.exact_until == stream.pos:
+            stream.exact_until += 1  # decoded alone: as a lone run computes it
+        stream.pos += 1
+        self._accept(stream, stream.sample(logits))
 
     def _accept(self, stream: _Stream, token: int) -> None:
         if llama_cpp.llama_vocab_is_eog(self.vocab, token):

@@ -40,6 +40,7 @@ class SpeculativeRun:
             accepted=stats.accepted,
             acceptance_rate=stats.acceptance_rate,
             speedup=stats.speedup,
+            tie_replays=stats.tie_replays,
         )
 
 

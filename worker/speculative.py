@@ -16,11 +16,14 @@ accepts it with the target probability p(d) and on rejection samples from the ta
 removed, so tokens follow the target distribution exactly. The target distribution is the one
 llama-cpp-python's sampler chain samples from (top-k, top-p, min-p, temperature).
 
-One caveat: llama.cpp's CPU kernels are not batch-invariant. A row computed in a batch of
-several (and the cells it writes) differs from single-token decoding by up to ~1 logit on the
-models here, so greedy output can differ from plain greedy decoding where the top two logits
-nearly tie (every difference measured was at a margin under 0.26 logits). Copy-heavy text,
-where speculation pays, is decided by wide margins and comes out identical.
+llama.cpp's CPU kernels are not batch-invariant: a row computed in a batch of several differs
+from the same token decoded alone (up to ~0.33 logits measured here on Qwen2.5-0.5B at a
+1k-token context), so a greedy choice between two nearly tied logits could flip. Greedy
+verification therefore trusts a batched row only where its top two logits are at least
+`tie_margin` apart; at a closer call it recomputes, one token at a time as plain decoding
+does, every cell since the last one computed that way, and takes that choice
+(worker/near_tie.py). Greedy output is then plain decoding's wherever batching moves logits by
+less than half the margin.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import numpy.typing as npt
 from llama_cpp import Llama
 
 from worker.draft_sources import DraftSource
+from worker.near_tie import TIE_MARGIN, is_near_tie
 
 SEQ = 0
 Logits = npt.NDArray[np.float32]
@@ -66,6 +70,9 @@ class SpeculationStats:
     plain_steps: int = 0
     verify_s: float = 0.0
     plain_s: float = 0.0
+    # Near ties decided alone (greedy only), and the cells recomputed one by one for them.
+    tie_replays: int = 0
+    replayed: int = 0
     # The planner's estimate: plain time per token over speculative time per token.
     speedup: float | None = None
 
@@ -214,6 +221,7 @@ class SpeculativeDecoder:
         seed: int | None = None,
         max_draft: int = 16,
         max_tokens: int | None = None,
+        tie_margin: float = TIE_MARGIN,
     ) -> None:
         if source is not None and not supports_speculation(llama):
             source = None  # the memory could not drop rejected cells: decode plainly
@@ -223,8 +231,11 @@ class SpeculativeDecoder:
         self.planner: StepPlanner = planner if planner is not None else FixedDraft(max_draft)
         self.max_draft = max_draft
         self.max_tokens = max_tokens
+        self.tie_margin = tie_margin
         self.stats = SpeculationStats()
         self._pending = last_token
+        # Cells below this position were computed one token at a time, as plain decoding does.
+        self._exact_until = llama.n_tokens
         self._rng = np.random.default_rng(seed)
         self._n_vocab = llama.n_vocab()
         self._batch: llama_cpp.llama_batch | None = llama_cpp.llama_batch_init(max_draft + 1, 0, 1)
@@ -289,7 +300,7 @@ class SpeculativeDecoder:
         seq = [self._pending, *draft]
         self._decode(seq, start)
         if self.sampling.greedy:
-            emitted = self._accept_greedy(draft)
+            emitted = self._accept_greedy(seq, start)
         else:
             emitted = self._accept_sampled(draft)
         accepted = len(emitted) - 1
@@ -305,14 +316,38 @@ class SpeculativeDecoder:
         self._pending = emitted[-1]
         return emitted, accepted
 
-    def _accept_greedy(self, draft: list[int]) -> list[int]:
+    def _accept_greedy(self, seq: list[int], start: int) -> list[int]:
+        """Argmax per verified row while it equals the draft; a near tie is decided alone."""
+        if len(seq) == 1 and self._exact_until == start:
+            self._exact_until += 1  # a plain step computes its cell as plain decoding does
         emitted: list[int] = []
-        for i in range(len(draft) + 1):
-            token = int(np.argmax(self._logits(i)))
+        for i in range(len(seq)):
+            logits = self._logits(i)
+            if len(seq) > 1 and is_near_tie(logits, self.tie_margin):
+                emitted.append(self._decide_alone(seq[: i + 1], start))
+                break
+            token = int(np.argmax(logits))
             emitted.append(token)
-            if i == len(draft) or token != draft[i]:
+            if i == len(seq) - 1 or token != seq[i + 1]:
                 break
         return emitted
+
+    def _decide_alone(self, seq: list[int], start: int) -> int:
+        """Greedy choice after seq[-1] as plain decoding makes it, cells replayed one by one.
+
+        Cells written by batched passes hold slightly different values, so redoing the last
+        row alone is not enough: every cell since the last one computed alone is recomputed.
+        The cells after seq[-1] are dropped.
+        """
+        begin = self._exact_until
+        replay = [*self.llama.input_ids[begin:start].tolist(), *seq]
+        self._memory_rm(begin)
+        for offset, token in enumerate(replay):
+            self._decode([token], begin + offset)
+        self._exact_until = start + len(seq)
+        self.stats.tie_replays += 1
+        self.stats.replayed += len(replay)
+        return int(np.argmax(self._logits(0)))
 
     def _accept_sampled(self, draft: list[int]) -> list[int]:
         emitted: list[int] = []

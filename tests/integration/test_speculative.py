@@ -29,8 +29,6 @@ COPY = f"Repeat the following text exactly.\nText: {TEXT}\nRepeated text:"
 N_TOKENS = 32
 # Tokens decoded plainly after speculation, to check the memory it left.
 N_MORE = 8
-# Logit margin below which batch-shape noise may flip a greedy choice (seen: <= 0.26).
-NEAR_TIE = 0.5
 
 
 def settings(model: str) -> Settings:
@@ -130,19 +128,22 @@ def plain_greedy_margins(llama: Llama, prompt: str, n: int) -> tuple[list[int], 
     return out, margins
 
 
-def test_free_text_differs_from_plain_greedy_only_at_near_ties(llama: Llama) -> None:
-    """llama.cpp's CPU kernels are not batch-invariant: a row verified in a batch, and the
-    cells written by one, differ from single-token decoding by up to ~1 logit. Greedy output
-    can therefore only flip where plain decoding's top two logits nearly tie; a real bug
-    (a stale or missing cell) would diverge where the model is sure."""
-    prompt = "Q: What is 17 times 23?\nA:"
-    reference, margins = plain_greedy_margins(llama, prompt, 32)
+FREE = "Q: Write two sentences about the history of the bicycle.\nA:"
+
+
+@pytest.mark.parametrize("prompt", ["Q: What is 17 times 23?\nA:", FREE])
+def test_free_text_is_plain_greedy_decoding_exactly(llama: Llama, prompt: str) -> None:
+    """llama.cpp's CPU kernels are not batch-invariant: a verified row differs from
+    single-token decoding by up to ~1 logit, enough to flip a near tie. Near ties are decided
+    alone, cells replayed, so the text is plain decoding's token for token."""
+    reference, margins = plain_greedy_margins(llama, prompt, 48)
     # Unigram matches: a draft nearly every step, mostly wrong, so cells are cut every step.
-    ours, decoder = speculative(llama, prompt, FixedDraft(4), n=32, min_n=1)
+    ours, decoder = speculative(llama, prompt, FixedDraft(4), n=48, min_n=1)
     assert decoder.stats.drafted > decoder.stats.accepted
-    differs = [i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b]
-    if differs:
-        assert margins[differs[0]] < NEAR_TIE
+    assert ours == reference
+    # Where plain decoding nearly tied, verification had to decide alone.
+    if min(margins) < 0.1:
+        assert decoder.stats.tie_replays > 0
 
 
 def test_memory_and_bookkeeping_match_the_emitted_text(llama: Llama) -> None:
