@@ -97,14 +97,9 @@ def test_answers_equal_one_question_jobs_and_stream_tagged(
     assert usage["completion_tokens"] == sum(
         a["usage"]["completion_tokens"] for a in answers.values()
     )
-    # Alone, each question decodes in batches of one token instead of four: float rounding
-    # differs, so a near-tie can flip (tests/integration/test_multi_sequence.py bounds it).
-    same = [answers[f"q{i}"]["text"] == alone(stack, q) for i, q in enumerate(QUESTIONS)]
-    assert sum(same) >= 3, same
-    # One question decodes in the same shapes as its own job: identical, whatever the ties.
-    for question in QUESTIONS:
-        final = wait_status(stack, extraction(stack, [question])["id"], {"finished"}, 300)
-        assert final["extraction"]["answers"]["q0"]["text"] == alone(stack, question)
+    # Decoded four at a time, near ties decided alone: each answer is its own job's.
+    for i, question in enumerate(QUESTIONS):
+        assert answers[f"q{i}"]["text"] == alone(stack, question), question
 
 
 @pytest.mark.qwen
