@@ -136,6 +136,8 @@ class ExtractionRequest(SamplingParams, DocumentFields):
     """
 
     temperature: float = Field(0.0, ge=0.0, le=2.0)
+    # As on jobs; inside an extraction only greedy answers draft.
+    speculation: Speculation | None = None
     questions: list[ExtractionQuestion] | None = Field(None, min_length=1, max_length=MAX_QUESTIONS)
     fields: dict[QuestionId, Text] | None = Field(None, min_length=1, max_length=MAX_QUESTIONS)
 
@@ -273,6 +275,7 @@ class ExtractOrder(BaseModel):
     seed: int
     stop: list[str]
     cache_namespace: str | None = None
+    speculation: Speculation = "off"
 
 
 class SpeculationReport(BaseModel):

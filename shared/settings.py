@@ -51,9 +51,9 @@ class WorkerSettings(BaseModel):
 class JobSettings(BaseModel):
     default_max_tokens: int = Field(256, gt=0)
     result_ttl_s: int = Field(86_400, gt=0)
-    # For requests that do not say. Off by default: batched verification rounds logits
-    # differently, so greedy output can differ from plain decoding at near-ties.
-    speculation: Literal["auto", "on", "off"] = "off"
+    # For requests that do not say. `auto` drafts for greedy requests while it is faster;
+    # sampled ones decode plainly unless they ask for `on` (see worker/speculation.py).
+    speculation: Literal["auto", "on", "off"] = "auto"
 
 
 class CacheSettings(BaseModel):

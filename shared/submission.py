@@ -47,7 +47,7 @@ def work_order_for(
     *,
     n_ctx: int,
     default_max_tokens: int,
-    default_speculation: Speculation = "off",
+    default_speculation: Speculation = "auto",
 ) -> WorkOrder:
     """Render and count the prompt; refuse one that leaves no room in the context window."""
     prompt = render_prompt(tokenizer, request)
@@ -82,7 +82,12 @@ def work_order_for(
 
 
 def extract_order_for(
-    tokenizer: Llama, request: ExtractionRequest, *, n_ctx: int, default_max_tokens: int
+    tokenizer: Llama,
+    request: ExtractionRequest,
+    *,
+    n_ctx: int,
+    default_max_tokens: int,
+    default_speculation: Speculation = "auto",
 ) -> ExtractOrder:
     """Check that every question fits next to the document; answers may come in waves."""
     questions = request.as_questions()
@@ -106,6 +111,7 @@ def extract_order_for(
         top_p=request.top_p,
         seed=request.seed if request.seed is not None else secrets.randbelow(2**32),
         stop=request.stop,
+        speculation=request.speculation or default_speculation,
     )
 
 
@@ -125,20 +131,8 @@ class Submitter:
         owner: str | None = None,
     ) -> JobView:
         """A generation job, or an extraction job (many questions about one document)."""
-        limits = {
-            "n_ctx": self._settings.n_ctx,
-            "default_max_tokens": self._settings.jobs.default_max_tokens,
-        }
-        order: WorkOrder | ExtractOrder
-        kind: JobKind
-        if isinstance(request, ExtractionRequest):
-            order, kind = extract_order_for(self._tokenizer, request, **limits), "extract"
-        else:
-            speculation = self._settings.jobs.speculation
-            order = work_order_for(
-                self._tokenizer, request, **limits, default_speculation=speculation
-            )
-            kind = "generate"
+        order = self._order(request)
+        kind: JobKind = "extract" if isinstance(order, ExtractOrder) else "generate"
         if self._settings.cache.per_key and owner is not None:
             order = order.model_copy(update={"cache_namespace": owner})
         job_id = uuid.uuid4().hex
@@ -151,6 +145,29 @@ class Submitter:
                 return self._store.get(existing)
         self._enqueue(job_id, queue_name, RUN_EXTRACT if kind == "extract" else RUN_JOB)
         return view
+
+    def _order(self, request: JobRequest | ExtractionRequest) -> WorkOrder | ExtractOrder:
+        jobs = self._settings.jobs
+        n_ctx, max_tokens, speculation = (
+            self._settings.n_ctx,
+            jobs.default_max_tokens,
+            jobs.speculation,
+        )
+        if isinstance(request, ExtractionRequest):
+            return extract_order_for(
+                self._tokenizer,
+                request,
+                n_ctx=n_ctx,
+                default_max_tokens=max_tokens,
+                default_speculation=speculation,
+            )
+        return work_order_for(
+            self._tokenizer,
+            request,
+            n_ctx=n_ctx,
+            default_max_tokens=max_tokens,
+            default_speculation=speculation,
+        )
 
     def failed(
         self, request: ExtractionRequest, queue_name: str, owner: str | None, error: str

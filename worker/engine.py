@@ -31,7 +31,7 @@ from shared.schemas import (
 )
 from worker import kv_state
 from worker.prefix_saver import PrefixSaver
-from worker.speculation import Speculator
+from worker.speculation import Speculator, drafts
 from worker.text_stream import TextStream
 
 log = logging.getLogger(__name__)
@@ -298,7 +298,7 @@ class Engine:
         """Sample after `prompt` (memory holds all of it but the last token)."""
         llama = self.llama
         llama.set_seed(order.seed)
-        if order.speculation == "off" or self.speculator is None:
+        if self.speculator is None or not drafts(order.speculation, order.temperature):
             tokens = llama.generate(
                 prompt[-1:], temp=order.temperature, top_p=order.top_p, reset=False
             )

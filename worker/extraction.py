@@ -8,6 +8,7 @@ engine (so it is cached and reused); the questions then fork from it and decode 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -17,12 +18,14 @@ from shared.schemas import (
     ExtractionResult,
     ExtractOrder,
     FinishReason,
+    SpeculationReport,
     Timings,
     Usage,
 )
 from worker import multi_sequence
 from worker.engine import Engine
 from worker.multi_sequence import Question
+from worker.speculation import drafting_report, drafts
 from worker.text_stream import TextStream
 from worker.token_publisher import TokenPublisher
 
@@ -33,6 +36,7 @@ class Extracted:
     usage: Usage
     timings: Timings
     prefix_tokens: int
+    speculation: SpeculationReport | None
 
 
 @dataclass
@@ -107,9 +111,20 @@ def extract(engine: Engine, order: ExtractOrder, publisher: TokenPublisher) -> E
         )
         for i, tail in enumerate(tails)
     ]
-    multi_sequence.answer_questions(
-        llama, questions, engine.chunk_tokens, answering.on_token, on_answer=answering.on_answer
-    )
+    with contextlib.ExitStack() as stack:
+        drafting = None
+        if engine.speculator is not None and drafts(order.speculation, order.temperature):
+            prompts = [prefix + tail for tail in tails]
+            drafting = stack.enter_context(engine.speculator.drafting(prompts, order.speculation))
+        multi_sequence.answer_questions(
+            llama,
+            questions,
+            engine.chunk_tokens,
+            answering.on_token,
+            on_answer=answering.on_answer,
+            drafting=drafting,
+        )
+    report = None if drafting is None else drafting_report(order.speculation, drafting)
     ids = [q.id for q in order.questions]
     answers = {i: answering.answers[i] for i in ids}
     result = ExtractionResult(
@@ -123,4 +138,4 @@ def extract(engine: Engine, order: ExtractOrder, publisher: TokenPublisher) -> E
     )
     first = min((a.timings.ttft_ms for a in answers.values() if a.timings.ttft_ms), default=None)
     timings = Timings(prefill_ms=(prefilled - started) * 1000, ttft_ms=first)
-    return Extracted(result, usage, timings, len(prefix))
+    return Extracted(result, usage, timings, len(prefix), report)

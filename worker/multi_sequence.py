@@ -25,7 +25,9 @@ from llama_cpp import _internals as internals
 from shared.errors import ContextOverflow, GranaryError
 from shared.llm import _quiet_native_logs, load_llama
 from shared.settings import Settings
+from worker.draft_sources import DraftSource
 from worker.near_tie import TIE_MARGIN, is_near_tie
+from worker.speculative import StepPlanner
 
 PREFIX_SEQ = 0
 
@@ -75,6 +77,37 @@ class Question:
     def cells(self) -> int:
         """KV cells the question may occupy beyond the prefix."""
         return len(self.tokens) + self.max_tokens
+
+
+@dataclass
+class Drafting:
+    """Speculative decoding for questions decoded together.
+
+    One draft source per question (the prompt's and its own answer's n-grams) and one planner
+    for every step: a step's cost is the whole batch's, so its length and whether drafting pays
+    are decided for all questions at once.
+    """
+
+    sources: Sequence[DraftSource]
+    planner: StepPlanner
+    max_draft: int = 8
+    drafted: int = 0
+    accepted: int = 0
+
+    def plan(self) -> int:
+        return min(self.planner.plan(), self.max_draft)
+
+    def propose(self, question: int, limit: int) -> list[int]:
+        return self.sources[question].propose(limit)[:limit] if limit > 0 else []
+
+    def extend(self, question: int, token: int) -> None:
+        self.sources[question].extend([token])
+
+    def record(self, drafts: Sequence[Sequence[int]], accepted: int, emitted: int) -> None:
+        drafted = sum(len(d) for d in drafts)
+        self.drafted += drafted
+        self.accepted += accepted
+        self.planner.record(drafted, accepted, emitted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,13 +201,15 @@ def answer_questions(
     on_token: OnToken | None = None,
     keep_first_logits: bool = False,
     on_answer: OnAnswer | None = None,
+    drafting: Drafting | None = None,
 ) -> list[Answer]:
     """Answer every question after the prefix that sequence 0 of `llama`'s memory holds.
 
     The prefix is whatever sequence 0 holds (its length is read from memory); the caller must
     have prefilled it in canonical chunks ending at its last token. Questions that do not fit
     together run in waves (plan_waves), one after another. Afterwards sequence 0 holds exactly
-    the prefix again and every other sequence is empty, whatever was raised.
+    the prefix again and every other sequence is empty, whatever was raised. With `drafting`,
+    greedy questions draft their next tokens and verify them in the same decode step.
     """
     check_supported(llama)
     mem = llama_cpp.llama_get_memory(llama.ctx)
@@ -185,7 +220,7 @@ def answer_questions(
     # A decode step holds one token per question, and a llama_decode call at most n_batch.
     n_seq = min(n_seq_max, llama.n_batch + 1)
     waves = plan_waves(prefix, [q.cells for q in questions], llama.n_ctx(), n_seq)
-    run = _Run(llama, mem, prefix, chunk_tokens, on_token, keep_first_logits, on_answer)
+    run = _Run(llama, mem, prefix, chunk_tokens, on_token, keep_first_logits, on_answer, drafting)
     answers: dict[int, Answer] = {}
     for wave in waves:
         streams = [_Stream(i, seq, questions[i], prefix) for seq, i in enumerate(wave, start=1)]
@@ -253,10 +288,13 @@ class _Run:
         chunk_tokens: int,
         on_token: OnToken | None,
         keep_first_logits: bool,
-        on_answer: OnAnswer | None = None,
+        on_answer: OnAnswer | None,
+        drafting: Drafting | None,
         tie_margin: float = TIE_MARGIN,
     ) -> None:
         self.llama = llama
+        self.drafting = drafting
+        self.capacity = 0
         self.ctx = llama.ctx
         self.mem = mem
         self.prefix = prefix
@@ -273,9 +311,11 @@ class _Run:
         self.replayed = 0
 
     def wave(self, streams: list[_Stream]) -> list[_Stream]:
-        capacity = max(min(self.chunk_tokens, self.llama.n_batch), len(streams))
+        step_rows = len(streams) * (1 + (self.drafting.max_draft if self.drafting else 0))
+        n_batch = self.llama.n_batch
+        self.capacity = max(min(self.chunk_tokens, n_batch), min(step_rows, n_batch), len(streams))
         try:
-            with _batch(capacity) as batch:
+            with _batch(self.capacity) as batch:
                 for stream in streams:
                     self._fork(stream)
                     self._prefill(batch, stream)
@@ -317,27 +357,65 @@ class _Run:
         stream.pos = stream.exact_until = end
 
     def _step(self, batch: llama_cpp.llama_batch, live: list[_Stream]) -> None:
-        """Decode one token per live sequence and sample each one's next token.
+        """Decode each live sequence's next token, and its draft if any, in one batch.
 
         A greedy row whose top two logits nearly tie is decided again alone (worker/near_tie.py),
-        after the others: a second decode overwrites the batch's logits.
+        after the others: that decode overwrites the batch's logits.
         """
-        _fill(batch, [(s.next_token, s.pos, s.seq) for s in live], logits=True)
+        drafts = self._drafts(live)
+        rows = [
+            (token, stream.pos + i, stream.seq)
+            for stream, draft in zip(live, drafts, strict=True)
+            for i, token in enumerate([stream.next_token, *draft])
+        ]
+        _fill(batch, rows, logits=True)
         self._decode(batch)
         ties: list[_Stream] = []
-        for row, stream in enumerate(live):
-            logits = self._logits(row)
-            if (
-                len(live) > 1
-                and stream.question.temperature <= 0
-                and is_near_tie(logits, self.tie_margin)
-            ):
+        row, accepted, emitted = 0, 0, 0
+        for stream, draft in zip(live, drafts, strict=True):
+            before = len(stream.generated)
+            tie, right = self._verify(stream, draft, row, alone=len(rows) == 1)
+            if tie:
                 ties.append(stream)
-            else:
-                self._take(stream, logits, alone=len(live) == 1)
+            accepted += right
+            emitted += len(stream.generated) - before
+            row += 1 + len(draft)
         for stream in ties:
             self._replay_alone(batch, stream)
             self._take(stream, self._logits(0), alone=False)
+            emitted += 1
+        if self.drafting is not None:
+            self.drafting.record(drafts, accepted, emitted)
+
+    def _drafts(self, live: list[_Stream]) -> list[list[int]]:
+        """Each sequence's guess at its next tokens (none when not drafting or sampling)."""
+        if self.drafting is None:
+            return [[] for _ in live]
+        k = min(self.drafting.plan(), (self.capacity - len(live)) // len(live))
+        drafts = []
+        for stream in live:
+            # Accepted drafts plus one token must stay within the answer's reserved cells.
+            limit = min(k, stream.question.max_tokens - len(stream.generated) - 1)
+            greedy = stream.question.temperature <= 0
+            drafts.append(self.drafting.propose(stream.index, limit) if greedy else [])
+        return drafts
+
+    def _verify(self, stream: _Stream, draft: list[int], row: int, alone: bool) -> tuple[bool, int]:
+        """Take the tokens this batch decided for `stream`: its next one, and each draft token
+        while the draft was right. Returns (a near tie is left to decide alone, drafts right)."""
+        greedy = stream.question.temperature <= 0
+        for i in range(len(draft) + 1):
+            logits = self._logits(row + i)
+            if not alone and greedy and is_near_tie(logits, self.tie_margin):
+                return True, i
+            token = self._take(stream, logits, alone)
+            if stream.finish is not None:
+                return False, i
+            if i == len(draft) or token != draft[i]:
+                # Cells from here on hold rejected guesses.
+                llama_cpp.llama_memory_seq_rm(self.mem, stream.seq, stream.pos, -1)
+                return False, i
+        raise AssertionError("unreachable: the last row always decides")
 
     def _replay_alone(self, batch: llama_cpp.llama_batch, stream: _Stream) -> None:
         """Recompute, one token at a time, every cell of `stream` written by a batched step.
@@ -358,13 +436,17 @@ class _Run:
         pointer = llama_cpp.llama_get_logits_ith(self.ctx, row)
         return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
 
-    def _take(self, stream: _Stream, logits: Logits, alone: bool) -> None:
+    def _take(self, stream: _Stream, logits: Logits, alone: bool) -> int:
         if self.keep_first_logits and stream.first_logits is None:
             stream.first_logits = logits.copy()
         if alone and stream.exact_until == stream.pos:
             stream.exact_until += 1  # decoded alone: as a lone run computes it
         stream.pos += 1
-        self._accept(stream, stream.sample(logits))
+        token = stream.sample(logits)
+        self._accept(stream, token)
+        if self.drafting is not None and stream.finish is None:
+            self.drafting.extend(stream.index, token)
+        return token
 
     def _accept(self, stream: _Stream, token: int) -> None:
         if llama_cpp.llama_vocab_is_eog(self.vocab, token):

@@ -17,6 +17,7 @@ from llama_cpp import Llama
 from shared.schemas import Speculation, SpeculationReport, WorkOrder
 from worker.draft_archive import ArchiveDrafts, DraftArchive
 from worker.draft_sources import FirstOf, NgramLookup
+from worker.multi_sequence import Drafting
 from worker.speculation_control import SpeculationController
 from worker.speculative import Sampling, SpeculativeDecoder
 
@@ -44,11 +45,33 @@ class SpeculativeRun:
         )
 
 
+def drafts(mode: Speculation, temperature: float) -> bool:
+    """Whether a request drafts at all.
+
+    `auto` drafts for greedy requests only: greedy output is the same either way
+    (worker/near_tie.py), while a sampled request's tokens depend on which steps drafted, and
+    under `auto` that depends on timing: a seed would no longer reproduce its text, nor would
+    a job re-run after a worker crash repeat the tokens already streamed. `on` drafts anyway.
+    """
+    return mode == "on" or (mode == "auto" and temperature <= 0)
+
+
 class Speculator:
     def __init__(self, archive: DraftArchive | None, fingerprint: str) -> None:
         self.controller = SpeculationController()
+        # Extraction steps decode many questions at once: their timings are another workload.
+        self.extraction_controller = SpeculationController()
         self._archive = archive
         self._fingerprint = fingerprint
+
+    @contextmanager
+    def drafting(self, prompts: list[list[int]], mode: Speculation) -> Iterator[Drafting]:
+        """Drafting for questions decoded together, one prompt per question."""
+        planner = self.extraction_controller.job(mode)
+        try:
+            yield Drafting([NgramLookup(p) for p in prompts], planner)
+        finally:
+            planner.finish()
 
     @contextmanager
     def decode(
@@ -78,3 +101,13 @@ class Speculator:
             planner.finish()
             if self._archive is not None and run.output:
                 self._archive.add(self._fingerprint, run.output)
+
+
+def drafting_report(mode: Speculation, drafting: Drafting) -> SpeculationReport:
+    return SpeculationReport(
+        mode=mode,
+        drafted=drafting.drafted,
+        accepted=drafting.accepted,
+        acceptance_rate=drafting.accepted / drafting.drafted if drafting.drafted else None,
+        speedup=drafting.planner.speedup,
+    )

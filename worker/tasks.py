@@ -89,7 +89,7 @@ class Runtime:
             return
         order, done = outcome
         cancelled = any(a.finish_reason == "cancelled" for a in done.result.answers.values())
-        self._finish(job_id, cancelled, done.usage, done.timings, done.result)
+        self._finish(job_id, cancelled, done.usage, done.timings, done.result, done.speculation)
         self._record_prefix_use(
             order.document, order.cache_namespace, done.usage, done.prefix_tokens
         )
@@ -129,17 +129,15 @@ class Runtime:
         queued_ms = ((view.started_at or view.created_at) - view.created_at) * 1000
         timings = timings.model_copy(update={"queued_ms": queued_ms})
         status = JobStatus.CANCELLED if cancelled else JobStatus.FINISHED
-        if isinstance(result, ExtractionResult):
-            self.store.finish(job_id, status, extraction=result, usage=usage, timings=timings)
-        else:
-            self.store.finish(
-                job_id,
-                status,
-                result=result,
-                speculation=speculation,
-                usage=usage,
-                timings=timings,
-            )
+        self.store.finish(
+            job_id,
+            status,
+            result=None if isinstance(result, ExtractionResult) else result,
+            extraction=result if isinstance(result, ExtractionResult) else None,
+            speculation=speculation,
+            usage=usage,
+            timings=timings,
+        )
         record_job(self._redis, usage, timings)
         if speculation is not None:
             record_speculation(self._redis, speculation)

@@ -29,10 +29,12 @@ from shared.settings import Settings
 from shared.submission import work_order_for
 from tests.conftest import DATA_DIR
 from worker import kv_state
+from worker.draft_sources import NgramLookup
 from worker.engine import Engine
 from worker.multi_sequence import (
     Answer,
     DoesNotFit,
+    Drafting,
     OnToken,
     Question,
     Unsupported,
@@ -42,6 +44,7 @@ from worker.multi_sequence import (
     plan_waves,
     sample,
 )
+from worker.speculative import FixedDraft
 
 CHUNK = 64
 MAX_TOKENS = 16
@@ -379,3 +382,31 @@ def test_gemma_sliding_window_memory_forks_and_answers_like_single_runs(gemma: B
     [alone] = gemma.ask(gemma.questions([0]), keep_first_logits=True)
     assert np.array_equal(_first(alone), gemma.reference(0).first_logits)
     assert alone.tokens == gemma.reference(0).tokens
+
+
+# Drafting inside the wave: each question drafts from the document and its own answer.
+
+
+def _drafting(bench: Bench, indices: Sequence[int], k: int) -> Drafting:
+    sources = [NgramLookup(bench.prefix + bench.tails[i]) for i in indices]
+    return Drafting(sources, FixedDraft(k))
+
+
+@pytest.mark.qwen
+def test_qwen_drafted_answers_equal_single_question_runs(qwen: Bench) -> None:
+    # Answers quote the document's lines ("The depot in Lyon received..."): drafts match.
+    drafting = _drafting(qwen, range(8), k=4)
+    answers = answer_questions(qwen.multi, qwen.questions(range(8)), CHUNK, drafting=drafting)
+    qwen.assert_prefix_alone()
+    assert [a.tokens for a in answers] == [qwen.reference(i).tokens for i in range(8)]
+    assert drafting.drafted > drafting.accepted > 0
+
+
+def test_smollm2_drafted_answers_like_single_runs(smollm: Bench) -> None:
+    drafting = _drafting(smollm, range(4), k=6)
+    answers = answer_questions(
+        smollm.multi, smollm.questions(range(4)), CHUNK, keep_first_logits=True, drafting=drafting
+    )
+    smollm.assert_prefix_alone()
+    _assert_like_single_runs(smollm, answers)
+    assert drafting.drafted > 0
