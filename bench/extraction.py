@@ -200,11 +200,15 @@ def _render(settings: Settings, ways: list[Way]) -> str:
         )
     cold_x = reference.seconds / extraction.seconds
     peer = ways[-1]
-    peer_x = peer.seconds / extraction.seconds if peer.answers[-1] else float("nan")
+    peer_x = peer.seconds / extraction.seconds
+    if peer.answers[-1]:
+        peer_verdict = f"{'met' if peer_x >= 2 else 'MISSED'}"
+    else:  # it failed part-way: the time it spent before failing is a lower bound
+        peer_verdict = f"peer did not finish; {'met' if peer_x >= 2 else 'not shown'} as a bound"
     verdict = (
         f"extraction is **{cold_x:.1f}×** faster than independent cold jobs (target ≥ 8×: "
         f"{'met' if cold_x >= 8 else 'MISSED'}) and **{peer_x:.1f}×** faster than llama_cpp.server "
-        f"with its cache (target ≥ 2×: {'met' if peer_x >= 2 else 'MISSED'})"
+        f"with its cache (target ≥ 2×: {peer_verdict})"
     )
     return f"""## Extraction: one document, sixteen questions
 

@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import chunk_shape, extraction, job_path, machine, prefix_cache, warm
+from bench import chunk_shape, extraction, job_path, machine, prefix_cache, speculation, warm
 from shared.redis_server import private_redis
 from shared.settings import Settings
 from tests.harness import REPO, Stack, free_port
@@ -71,6 +71,23 @@ def _extraction_section(redis_url: str, log_dir: Path) -> str:
     return extraction.section(settings, log_dir)
 
 
+def _speculation_section(redis_url: str, log_dir: Path, quick: bool) -> str:
+    settings = _settings(
+        redis_url,
+        "qwen2.5-0.5b",
+        n_ctx=4096,
+        cache={"dir": log_dir / "spec-kv"},
+        worker={"draft_archive": log_dir / "drafts.sqlite3"},
+    )
+    stack = Stack(settings, log_dir)
+    try:
+        stack.start_api()
+        stack.start_worker()
+        return speculation.section(settings, stack, rounds=1 if quick else 2)
+    finally:
+        stack.stop()
+
+
 def _chunk_shape_section(redis_url: str) -> str:
     models = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
     return chunk_shape.section([_settings(redis_url, m) for m in models])
@@ -89,7 +106,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     parser.add_argument(
         "--only",
-        choices=["job_path", "prefix_cache", "warm", "extraction", "chunk_shape"],
+        choices=["job_path", "prefix_cache", "warm", "extraction", "speculation", "chunk_shape"],
         help="one suite, printed, not written",
     )
     args = parser.parse_args()
@@ -100,6 +117,7 @@ def main() -> None:
             "prefix_cache": lambda: _prefix_cache_sections(redis_url, log_dir, args.quick),
             "warm": lambda: [_warm_section(redis_url, log_dir, args.quick)],
             "extraction": lambda: [_extraction_section(redis_url, log_dir)],
+            "speculation": lambda: [_speculation_section(redis_url, log_dir, args.quick)],
             "chunk_shape": lambda: [_chunk_shape_section(redis_url)],
         }
         sections = []

@@ -36,7 +36,7 @@ _SPLIT = "\x00granary:prefix-end\x00"
 def load_llama(settings: Settings, *, vocab_only: bool = False) -> Llama:
     path = resolve_model(settings.model, settings.data_dir)
     try:
-        with _quiet_native_logs():
+        with quiet_native_logs():
             return Llama(
                 model_path=str(path),
                 n_ctx=settings.n_ctx,
@@ -54,7 +54,7 @@ def load_llama(settings: Settings, *, vocab_only: bool = False) -> Llama:
 
 
 @contextlib.contextmanager
-def _quiet_native_logs() -> Iterator[None]:
+def quiet_native_logs() -> Iterator[None]:
     """llama.cpp prints its load log to fd 2 even with verbose=False; keep it for debug only."""
     if log.isEnabledFor(logging.DEBUG):
         yield None

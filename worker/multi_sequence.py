@@ -23,7 +23,7 @@ from llama_cpp import Llama
 from llama_cpp import _internals as internals
 
 from shared.errors import ContextOverflow, GranaryError
-from shared.llm import _quiet_native_logs, load_llama
+from shared.llm import load_llama, quiet_native_logs
 from shared.settings import Settings
 from worker.draft_sources import DraftSource
 from worker.near_tie import TIE_MARGIN, is_near_tie
@@ -136,7 +136,7 @@ def load_multi_sequence_llama(settings: Settings, n_seq_max: int) -> Llama:
     params = llama.context_params
     params.n_seq_max = n_seq_max
     params.kv_unified = True
-    with _quiet_native_logs():
+    with quiet_native_logs():
         context = internals.LlamaContext(model=llama._model, params=params, verbose=False)
     previous = llama._ctx
     llama._ctx = llama._stack.enter_context(contextlib.closing(context))
