@@ -27,7 +27,7 @@ from tests.harness import Stack
 MODES = ("off", "on", "auto")
 LINES = (4, 11, 19, 27)
 TOPICS = ("the bicycle", "paper money", "the printing press", "lighthouses")
-COPY_TOKENS = 48
+COPY_TOKENS = 96
 FREE_TOKENS = 96
 
 
@@ -90,7 +90,7 @@ def _extraction(body: dict[str, Any]) -> Measure:
 
 
 def _workloads(doc: str) -> dict[str, list[Measure]]:
-    copy = [f"Quote line {n} of the ledger exactly as it is written." for n in LINES]
+    copy = [f"Quote lines {n} to {n + 2} of the ledger exactly as written." for n in LINES]
     base = {"document": doc, "temperature": 0, "max_tokens": COPY_TOKENS}
     return {
         "copy-heavy document jobs (answers quote the document)": [
@@ -141,6 +141,7 @@ def section(settings: Settings, stack: Stack, rounds: int) -> str:
         f"{'met' if copy_x >= 1.5 else 'MISSED'}) and **{free_x:.2f}×** off on free text "
         f"(target ≥ 0.97×: {'met' if free_x >= 0.97 else 'MISSED'})"
     )
+    differences = "\n".join(_differences(tallies)) or "none"
     return f"""## Speculative decoding: off, on, auto
 
 {settings.model}, {settings.threads} threads, greedy, one worker; the three modes interleaved
@@ -153,7 +154,29 @@ must not change). Result: {verdict}.
 | workload | off tok/s | on tok/s | auto tok/s | acceptance (on) | same text as off (on / auto) |
 |---|---|---|---|---|---|
 {chr(10).join(rows)}
+
+Texts that differ from `off` (where they part): {differences}
 """
+
+
+def _differences(tallies: dict[str, dict[str, Tally]]) -> list[str]:
+    found = []
+    for name, modes in tallies.items():
+        for mode in ("on", "auto"):
+            for i, (a, b) in enumerate(zip(modes["off"].texts, modes[mode].texts, strict=True)):
+                if a != b:
+                    at = _common_prefix(a, b)
+                    found.append(
+                        f"\n- {name}, {mode}, job {i}: off {a[at - 20 : at + 30]!r}, "
+                        f"{mode} {b[at - 20 : at + 30]!r}"
+                    )
+    return found
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 def _row(name: str, modes: dict[str, Tally]) -> str:

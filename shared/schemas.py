@@ -287,7 +287,7 @@ class SpeculationReport(BaseModel):
     acceptance_rate: float | None = None
     # The worker's estimate of decode speed with drafting over without (None: not measured).
     speedup: float | None = None
-    # Greedy near ties decided again one token at a time, so output equals plain decoding's.
+    # Greedy near ties decided again one token at a time, so output equals plain decoding.s.
     tie_replays: int = 0
 
 

@@ -51,9 +51,11 @@ class WorkerSettings(BaseModel):
 class JobSettings(BaseModel):
     default_max_tokens: int = Field(256, gt=0)
     result_ttl_s: int = Field(86_400, gt=0)
-    # For requests that do not say. `auto` drafts for greedy requests while it is faster;
-    # sampled ones decode plainly unless they ask for `on` (see worker/speculation.py).
-    speculation: Literal["auto", "on", "off"] = "auto"
+    # For requests that do not say. Off: on these CPUs a verified draft row costs ~40% of a
+    # decode step and near ties are replayed one token at a time, so drafting was slower than
+    # plain decoding in docs/BENCHMARKS.md, and greedy output can still part from plain
+    # decoding at near-exact ties. `auto` drafts for greedy requests while it measures faster.
+    speculation: Literal["auto", "on", "off"] = "off"
 
 
 class CacheSettings(BaseModel):

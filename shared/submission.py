@@ -47,7 +47,7 @@ def work_order_for(
     *,
     n_ctx: int,
     default_max_tokens: int,
-    default_speculation: Speculation = "auto",
+    default_speculation: Speculation = "off",
 ) -> WorkOrder:
     """Render and count the prompt; refuse one that leaves no room in the context window."""
     prompt = render_prompt(tokenizer, request)
@@ -87,7 +87,7 @@ def extract_order_for(
     *,
     n_ctx: int,
     default_max_tokens: int,
-    default_speculation: Speculation = "auto",
+    default_speculation: Speculation = "off",
 ) -> ExtractOrder:
     """Check that every question fits next to the document; answers may come in waves."""
     questions = request.as_questions()

@@ -14,8 +14,9 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-# Above every batch-vs-alone gap measured on the three models here, with room to spare.
-TIE_MARGIN = 1.5
+# Twice the largest batch-vs-alone gap measured here (Qwen2.5-0.5B: 0.33); 0.5 let a Qwen
+# near tie flip in tests/integration/test_speculative.py, 0.75 passes on all three models.
+TIE_MARGIN = 0.75
 
 
 def is_near_tie(logits: npt.NDArray[np.float32], margin: float) -> bool:

@@ -22,12 +22,10 @@ def test_speculation_gives_plain_output_and_reports_drafts(
     stack_factory: Callable[..., Stack],
 ) -> None:
     stack = stack_factory()
-    plain = wait_status(
-        stack, submit(stack, COPY | {"speculation": "off"})["id"], {"finished"}, 120
-    )
-    assert plain["speculation"] is None
-    # Greedy requests that do not say speculate under `auto` (`jobs.speculation`).
-    fast = wait_status(stack, submit(stack, COPY)["id"], {"finished"}, 120)
+    plain = wait_status(stack, submit(stack, COPY)["id"], {"finished"}, 120)
+    assert plain["speculation"] is None  # off unless asked (`jobs.speculation`)
+    auto = COPY | {"speculation": "auto"}
+    fast = wait_status(stack, submit(stack, auto)["id"], {"finished"}, 120)
     assert fast["result"]["text"] == plain["result"]["text"]
     report = fast["speculation"]
     assert report["mode"] == "auto" and report["accepted"] > 0
@@ -42,7 +40,7 @@ def test_speculation_gives_plain_output_and_reports_drafts(
 
 def test_auto_leaves_sampled_requests_plain_and_seeded(stack_factory: Callable[..., Stack]) -> None:
     stack = stack_factory()
-    sampled = COPY | {"temperature": 0.8, "seed": 11}
+    sampled = COPY | {"temperature": 0.8, "seed": 11, "speculation": "auto"}
     first = wait_status(stack, submit(stack, sampled)["id"], {"finished"}, 120)
     again = wait_status(stack, submit(stack, sampled)["id"], {"finished"}, 120)
     assert first["speculation"] is None
@@ -65,7 +63,7 @@ def test_extraction_drafts_inside_its_questions(stack_factory: Callable[..., Sta
         job = httpx.post(f"{stack.url}/v1/extractions", json=body | extra).json()
         return wait_status(stack, job["id"], {"finished"}, 120)
 
-    plain, fast = run({"speculation": "off"}), run({})
+    plain, fast = run({}), run({"speculation": "auto"})
     assert plain["speculation"] is None
     answer = fast["extraction"]["answers"]["copy"]["text"]
     assert answer == plain["extraction"]["answers"]["copy"]["text"]
