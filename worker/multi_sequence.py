@@ -306,9 +306,6 @@ class _Run:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.started = time.perf_counter()
         self.tie_margin = tie_margin
-        # Near ties decided alone, and the cells recomputed one by one for them.
-        self.tie_replays = 0
-        self.replayed = 0
 
     def wave(self, streams: list[_Stream]) -> list[_Stream]:
         step_rows = len(streams) * (1 + (self.drafting.max_draft if self.drafting else 0))
@@ -429,8 +426,6 @@ class _Run:
             _fill(batch, [(stream.token_at(pos), pos, stream.seq)], logits=pos == stream.pos)
             self._decode(batch)
         stream.exact_until = stream.pos + 1
-        self.tie_replays += 1
-        self.replayed += stream.pos + 1 - begin
 
     def _logits(self, row: int) -> Logits:
         pointer = llama_cpp.llama_get_logits_ith(self.ctx, row)
