@@ -151,7 +151,7 @@ def warm(models: Models, should_yield: Callable[[], bool] = lambda: False) -> Wa
 
 @pytest.mark.parametrize(
     "sampling",
-    [{"speculation": "off"}, SAMPLED, SPECULATIVE, SPECULATIVE | SAMPLED],
+    [{}, SAMPLED, SPECULATIVE, SPECULATIVE | SAMPLED],
     ids=["greedy", "sampled", "speculative", "speculative-sampled"],
 )
 def test_warmed_document_restores_in_full_and_answers_as_cold(

@@ -174,7 +174,7 @@ def test_granary_warm_cli_then_every_decoding_mode_hits(
     stack.stop_process("worker-1")  # only the disk holds the document now
     stack.start_worker("worker-2")
     # A different question each time: a repeated one would also restore its own tokens.
-    modes = ({"speculation": "off"}, {"temperature": 0.8, "seed": 3}, {"speculation": "on"})
+    modes = ({}, {"temperature": 0.8, "seed": 3}, {"speculation": "on"})
     for line, extra in enumerate(modes, start=1):
         answer = ask(stack, INVOICE, prompt=f"What is on line {line}?", **extra)
         assert answer["usage"]["cached_tokens"] == prefix, extra
