@@ -31,7 +31,9 @@ class NgramLookup:
 
     n runs from `max_n` down to `min_n`: a longer match is stronger evidence of a copied span.
     Only n-grams that something followed are indexed, so the sequence's own tail never matches
-    itself.
+    itself. Once a proposal is followed, the next one continues the same span instead of
+    matching again: in a document whose lines share short n-grams (every line of a ledger says
+    "units of"), re-matching would jump to the latest such line in the middle of a quote.
     """
 
     def __init__(self, tokens: Iterable[int] = (), *, min_n: int = 2, max_n: int = 4) -> None:
@@ -42,6 +44,8 @@ class NgramLookup:
         self.tokens: list[int] = []
         # One dict per n: n-gram -> position of the token that followed its latest occurrence.
         self._next: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.ngram_sizes}
+        # Position of the token the span being copied says comes next; None: not copying.
+        self._cursor: int | None = None
         self.extend(list(tokens))
 
     @property
@@ -52,6 +56,7 @@ class NgramLookup:
         seq = self.tokens
         for token in tokens:
             end = len(seq)
+            self._follow(token, end)
             # The n-grams ending just before `token` now have a continuation.
             for n in self.ngram_sizes:
                 if end >= n:
@@ -61,14 +66,21 @@ class NgramLookup:
     def propose(self, k: int) -> list[int]:
         if k <= 0:
             return []
+        if self._cursor is None:
+            self._cursor = self._match()
+        return [] if self._cursor is None else continue_from(self.tokens, self._cursor, k)
+
+    def _match(self) -> int | None:
         seq = self.tokens
         for n in self.ngram_sizes:
-            if len(seq) < n:
-                continue
-            start = self._next[n].get(tuple(seq[-n:]))
-            if start is not None:
-                return continue_from(seq, start, k)
-        return []
+            if len(seq) >= n and (start := self._next[n].get(tuple(seq[-n:]))) is not None:
+                return start
+        return None
+
+    def _follow(self, token: int, end: int) -> None:
+        cursor = self._cursor
+        if cursor is not None:
+            self._cursor = cursor + 1 if cursor < end and self.tokens[cursor] == token else None
 
 
 def continue_from(seq: Sequence[int], start: int, k: int) -> list[int]:

@@ -93,6 +93,8 @@ class Drafting:
     max_draft: int = 8
     drafted: int = 0
     accepted: int = 0
+    # Question -> the source's guess of its next token, on a step that drafts nothing.
+    guesses: dict[int, int] = field(default_factory=dict)
 
     def plan(self) -> int:
         return min(self.planner.plan(), self.max_draft)
@@ -100,7 +102,16 @@ class Drafting:
     def propose(self, question: int, limit: int) -> list[int]:
         return self.sources[question].propose(limit)[:limit] if limit > 0 else []
 
+    def guess(self, question: int) -> None:
+        """Note what the source expects next, for the planner to score (no model work)."""
+        draft = self.sources[question].propose(1)
+        if draft:
+            self.guesses[question] = draft[0]
+
     def extend(self, question: int, token: int) -> None:
+        guess = self.guesses.pop(question, None)
+        if guess is not None:
+            self.planner.guessed(guess == token)
         self.sources[question].extend([token])
 
     def record(self, drafts: Sequence[Sequence[int]], accepted: int, emitted: int) -> None:
@@ -394,16 +405,20 @@ class _Run:
             # Accepted drafts plus one token must stay within the answer's reserved cells.
             limit = min(k, stream.question.max_tokens - len(stream.generated) - 1)
             greedy = stream.question.temperature <= 0
+            if greedy and k == 0:
+                self.drafting.guess(stream.index)
             drafts.append(self.drafting.propose(stream.index, limit) if greedy else [])
         return drafts
 
     def _verify(self, stream: _Stream, draft: list[int], row: int, alone: bool) -> tuple[bool, int]:
         """Take the tokens this batch decided for `stream`: its next one, and each draft token
         while the draft was right. Returns (a near tie is left to decide alone, drafts right)."""
+        # A lone row attending to batch-written cells is not a lone run's row either.
+        batched = not alone or stream.exact_until < stream.pos
         greedy = stream.question.temperature <= 0
         for i in range(len(draft) + 1):
             logits = self._logits(row + i)
-            if not alone and greedy and is_near_tie(logits, self.tie_margin):
+            if batched and greedy and is_near_tie(logits, self.tie_margin):
                 return True, i
             token = self._take(stream, logits, alone)
             if stream.finish is not None:

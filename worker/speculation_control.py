@@ -7,11 +7,16 @@ moving averages (seconds over tokens, so a step that emits 9 tokens weighs 9 tim
 emits 1). Speculation is on while its time per token beats plain decoding's. A step that
 found nothing to draft is a plain decode and is measured as one.
 
-Only the mode in use is measured continuously, so the other one is probed from time to time
-(a few steps every `probe_every` steps, and early in every job): when the workload changes,
-the fresh measurement switches speculation back on, or off. Counting steps, not tokens, bounds
-what probing costs: a speculative step that emits 17 tokens would otherwise reach a probe in
-4 steps and spend a third of the time probing plain decoding.
+Only the mode in use is measured continuously, so the other one is probed from time to time:
+a few steps every `probe_every` steps. A probe that confirms the mode in use doubles the wait
+for the next one (up to `max_probe_every`), so a worker whose text never matches its drafts
+stops paying for probes; a probe that changes the mode resets the wait. Counting steps, not
+tokens, bounds what probing costs: a speculative step that emits 17 tokens would otherwise
+reach a probe in 4 steps and spend a third of the time probing plain decoding.
+
+While decoding plainly the draft source still guesses the next token (a few dict lookups, no
+model work), and the guesses are scored against what the model wrote: when they start coming
+true (the workload turned copy-heavy) drafting is probed at once instead of after the wait.
 
 The draft length adapts too: it grows after a step whose whole draft was accepted and shrinks
 after one that was not, as in Hugging Face's assisted generation.
@@ -41,10 +46,13 @@ class ControlConfig:
     shrink: int = 1
     # Weight of the newest step in the moving averages.
     smoothing: float = 0.2
-    # Steps between probes of the mode not in use; a job's first probe comes sooner.
+    # Steps between probes of the mode not in use, doubling while probes change nothing.
     probe_every: int = 40
-    first_probe_after: int = 4
+    max_probe_every: int = 640
     probe_steps: int = 4
+    # Share of plain steps whose token the draft source guessed (moving average) at which
+    # drafting is probed at once, if the last probe saw fewer right guesses.
+    guess_trigger: float = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +81,10 @@ class Learned:
     draft: int
     plain: Rate | None = None
     spec: Rate | None = None
+    probe_every: int = 0
+    until_probe: int = 0
+    # The share of right guesses when the last probe started.
+    probed_guesses: float = 0.0
 
     @property
     def speedup(self) -> float | None:
@@ -93,7 +105,13 @@ class SpeculationController:
         self.config = config or ControlConfig()
         self.clock = clock
         # Optimistic start: the first job's first probe measures plain decoding anyway.
-        self.learned = Learned(speculating=True, draft=self.config.initial_draft)
+        cfg = self.config
+        self.learned = Learned(
+            speculating=True,
+            draft=cfg.initial_draft,
+            probe_every=cfg.probe_every,
+            until_probe=cfg.probe_every,
+        )
 
     def job(self, mode: Mode = "auto") -> JobSpeculation:
         if mode not in MODES:
@@ -105,7 +123,8 @@ class JobSpeculation:
     """Per job: plans each step's draft length (0: decode plainly) and learns from its timing.
 
     Used as the SpeculativeDecoder's planner: `plan()` before a step, `record()` after it;
-    the clock runs between the two, so drafting and verification are both timed.
+    the clock runs between the two, so drafting and verification are both timed. `guessed()`
+    scores the source's guess on a plain step.
     """
 
     def __init__(self, controller: SpeculationController, mode: Mode) -> None:
@@ -114,8 +133,9 @@ class JobSpeculation:
         self.mode = mode
         self.state = controller.learned
         self._clock = controller.clock
-        self._until_probe = self.config.first_probe_after
         self._probe_left = 0
+        self._probed_mode = False
+        self._guesses = 0.0
         self._probe = Rate(0.0, 0.0)
         self._step_speculates = False
         self._step_started = 0.0
@@ -134,9 +154,11 @@ class JobSpeculation:
         return self.state.speedup
 
     def plan(self) -> int:
-        if self.mode == "auto" and self._probe_left == 0 and self._until_probe <= 0:
+        if self.mode == "auto" and self._probe_left == 0 and self._probe_due():
             self._probe_left = self.config.probe_steps
             self._probe = Rate(0.0, 0.0)
+            self._probed_mode = self.state.speculating
+            self.state = replace(self.state, probed_guesses=self._guesses)
         probing = self._probe_left > 0
         self._step_speculates = self.speculating != probing
         self._step_started = self._clock()
@@ -149,16 +171,33 @@ class JobSpeculation:
         # A step that found nothing to draft was a plain decode, whatever was planned: counted
         # as speculative, its noise alone would decide a comparison of two equal costs.
         speculative = drafted > 0
+        probed = False
         if self._probe_left > 0:
-            self._record_probe(speculative, elapsed, emitted)
+            probed = self._record_probe(speculative, elapsed, emitted)
         else:
-            self._until_probe -= 1
+            self.state = replace(self.state, until_probe=self.state.until_probe - 1)
             self._measure(speculative, elapsed, emitted)
+        was = self.state.speculating
         self._decide()
+        if probed:
+            self._schedule_probe(changed=self.state.speculating != self._probed_mode)
+        elif self.state.speculating != was:
+            self._schedule_probe(changed=True)
+
+    def guessed(self, right: bool) -> None:
+        """A plain step's outcome for the source's guess of its token."""
+        self._guesses += self.config.smoothing * (float(right) - self._guesses)
 
     def finish(self) -> None:
         """Hand what this job learned back to the worker, for its next job."""
         self._controller.learned = self.state
+
+    def _probe_due(self) -> bool:
+        if self.state.until_probe <= 0:
+            return True
+        # Guesses coming true that did not when drafting last lost: the text changed.
+        trigger = self.config.guess_trigger
+        return not self.state.speculating and self._guesses >= trigger > self.state.probed_guesses
 
     def _adapt_draft(self, drafted: int, accepted: int) -> None:
         cfg = self.config
@@ -166,18 +205,26 @@ class JobSpeculation:
         draft = max(cfg.min_draft, min(cfg.max_draft, self.state.draft + change))
         self.state = replace(self.state, draft=draft)
 
-    def _record_probe(self, speculative: bool, elapsed: float, emitted: int) -> None:
+    def _record_probe(self, speculative: bool, elapsed: float, emitted: int) -> bool:
+        """Count a probe step; True when it was the probe's last."""
         if speculative == self._step_speculates:
             self._probe = Rate(self._probe.seconds + elapsed, self._probe.tokens + emitted)
         else:
             self._measure(speculative, elapsed, emitted)
         self._probe_left -= 1
-        if self._probe_left == 0:
-            self._until_probe = self.config.probe_every
-            # The probe replaces the old figure: it measures the workload as it is now. A
-            # probe that found nothing to draft measured nothing.
-            if self._probe.tokens > 0:
-                self._set_rate(self._step_speculates, self._probe)
+        if self._probe_left > 0:
+            return False
+        # The probe replaces the old figure: it measures the workload as it is now. A probe
+        # that found nothing to draft measured nothing.
+        if self._probe.tokens > 0:
+            self._set_rate(self._step_speculates, self._probe)
+        return True
+
+    def _schedule_probe(self, changed: bool) -> None:
+        """The next probe: soon after a change of mode, ever later while probes change nothing."""
+        cfg = self.config
+        wait = cfg.probe_every if changed else min(2 * self.state.probe_every, cfg.max_probe_every)
+        self.state = replace(self.state, probe_every=wait, until_probe=wait)
 
     def _measure(self, speculative: bool, elapsed: float, emitted: int) -> None:
         old = self.state.spec if speculative else self.state.plain

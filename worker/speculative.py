@@ -90,6 +90,10 @@ class StepPlanner(Protocol):
 
     def record(self, drafted: int, accepted: int, emitted: int) -> None: ...
 
+    def guessed(self, right: bool) -> None:
+        """On a step planned without a draft: whether the source's guess of its token was right."""
+        ...
+
     @property
     def speedup(self) -> float | None:
         """Plain time per token over speculative time per token, once both were measured."""
@@ -106,6 +110,9 @@ class FixedDraft:
         return self.k
 
     def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        pass
+
+    def guessed(self, right: bool) -> None:
         pass
 
     @property
@@ -276,10 +283,16 @@ class SpeculativeDecoder:
         started = time.perf_counter()
         source = self.source
         # Without a source the planner is not consulted: it would time a step it did not plan.
-        draft = [] if source is None else self._draft(self.planner.plan(), left)
+        planned = 0 if source is None else self.planner.plan()
+        draft = self._draft(planned, left)
+        # A plain step still asks for a guess (no model work) so the planner sees when drafts
+        # would start paying.
+        guess = source.propose(1) if source is not None and planned == 0 else []
         emitted, accepted = self._verify(draft)
         if source is not None:
             self.planner.record(len(draft), accepted, len(emitted))
+            if guess:
+                self.planner.guessed(guess[0] == emitted[0])
             source.extend(emitted)
             self.stats.speedup = self.planner.speedup
         self._count(draft, accepted, len(emitted), time.perf_counter() - started)
@@ -320,10 +333,12 @@ class SpeculativeDecoder:
         """Argmax per verified row while it equals the draft; a near tie is decided alone."""
         if len(seq) == 1 and self._exact_until == start:
             self._exact_until += 1  # a plain step computes its cell as plain decoding does
+        # A lone row attending to batch-written cells is not plain decoding's row either.
+        batched = len(seq) > 1 or self._exact_until < start
         emitted: list[int] = []
         for i in range(len(seq)):
             logits = self._logits(i)
-            if len(seq) > 1 and is_near_tie(logits, self.tie_margin):
+            if batched and is_near_tie(logits, self.tie_margin):
                 emitted.append(self._decide_alone(seq[: i + 1], start))
                 break
             token = int(np.argmax(logits))

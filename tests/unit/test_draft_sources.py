@@ -55,15 +55,27 @@ def test_a_loop_is_continued_past_the_end_of_the_sequence() -> None:
 
 def test_incremental_index_equals_a_full_rescan() -> None:
     rng = random.Random(7)
-    for _ in range(50):
+    for _ in range(300):
         min_n, max_n = sorted(rng.sample(range(1, 5), 2))
+        seq = [rng.randrange(4) for _ in range(rng.randrange(1, 120))]
         lookup = NgramLookup(min_n=min_n, max_n=max_n)
-        seq: list[int] = []
-        for _ in range(120):
-            token = rng.randrange(4)
-            seq.append(token)
+        for token in seq:
             lookup.extend([token])
-            assert lookup.propose(5) == rescan(seq, 5, min_n, max_n)
+        assert lookup.propose(5) == rescan(seq, 5, min_n, max_n)
+
+
+def test_a_followed_proposal_keeps_copying_its_span() -> None:
+    # Two lines share "7 8 9"; the latest occurrence is line B's, but we are quoting line A.
+    line_a, line_b = [1, 2, 7, 8, 9, 3, 4], [5, 6, 7, 8, 9, 0, 0]
+    lookup = NgramLookup([*line_a, *line_b, 99], min_n=2, max_n=2)
+    lookup.extend([1, 2])
+    assert lookup.propose(3) == [7, 8, 9]
+    lookup.extend([7, 8, 9])
+    assert lookup.propose(2) == [3, 4]  # a fresh match of (8, 9) would say [0, 0]
+    lookup.extend([3, 5])  # the text leaves the span: match again
+    assert lookup.propose(2) == []
+    lookup.extend([6])
+    assert lookup.propose(2) == [7, 8]
 
 
 def test_first_of_asks_in_order_and_feeds_every_source() -> None:

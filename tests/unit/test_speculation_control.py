@@ -63,6 +63,8 @@ def run(
         # Looking for a draft costs a little even when nothing is found.
         clock.now += PLAIN_S + per_draft_s * drafted + (LOOKUP_S if planned else 0.0)
         job.record(drafted, accepted, accepted + 1)
+        if drafted == 0 and found > 0:
+            job.guessed(workload(1) == 1)  # the source's guess of a plain step's token
         steps.append(Step(drafted > 0, accepted + 1))
         emitted_total += accepted + 1
     return steps
@@ -87,10 +89,19 @@ def test_turns_itself_off_where_drafts_never_match() -> None:
     run(job, clock, never_matches, 100)
     assert not job.speculating
     assert job.draft_length == ctl.config.min_draft
-    later = run(job, clock, never_matches, 880)
-    # Only probes draft now: 4 steps in every 44.
-    assert drafting_share(later) == pytest.approx(4 / 44, abs=0.01)
+    later = run(job, clock, never_matches, 3000)
+    # Only probes draft now, ever more rarely: each one that changed nothing doubled the wait.
+    assert 0 < drafting_share(later) < 0.02
+    assert job.state.probe_every == ctl.config.max_probe_every
     assert job.speedup is not None and job.speedup < 1
+
+
+def test_right_guesses_that_do_not_pay_are_not_probed_again_and_again() -> None:
+    ctl, clock = controller()
+    job = ctl.job("auto")
+    steps = run(job, clock, runs_of_three, 3000, per_draft_s=1.5 * PLAIN_S)
+    assert not job.speculating
+    assert drafting_share(steps[100:]) < 0.02
 
 
 def test_stays_on_for_copy_heavy_text() -> None:
@@ -129,18 +140,19 @@ def test_speed_decides_not_acceptance() -> None:
 def test_reprobes_and_switches_back_on_when_the_workload_changes() -> None:
     ctl, clock = controller()
     job = ctl.job("auto")
-    run(job, clock, never_matches, 200)
+    run(job, clock, never_matches, 2000)
     assert not job.speculating
     steps = run(job, clock, copies, 300)
     assert job.speculating
-    # Back on within one probe interval and its probe, not after a long delay.
+    # The source's guesses came true on plain steps: drafting was probed at once, not after
+    # the long wait the failed probes had built up.
     first_on = next(i for i in range(len(steps) - 1) if steps[i].drafted and steps[i + 1].drafted)
-    assert first_on <= ctl.config.probe_every + ctl.config.probe_steps
+    assert first_on <= 4 + ctl.config.probe_steps
     run(job, clock, never_matches, 200)
     assert not job.speculating
 
 
-def test_worker_remembers_across_jobs_and_each_job_checks_early() -> None:
+def test_worker_remembers_across_jobs() -> None:
     ctl, clock = controller()
     first = ctl.job("auto")
     run(first, clock, never_matches, 200)
@@ -149,9 +161,10 @@ def test_worker_remembers_across_jobs_and_each_job_checks_early() -> None:
     assert not second.speculating
     assert second.plan() == 0  # starts where the worker left off
     second.record(0, 0, 1)
+    assert second.state.probe_every > ctl.config.probe_every  # and so does the probe wait
     steps = run(second, clock, copies, 100)
     assert second.speculating
-    assert any(s.drafted for s in steps[: ctl.config.first_probe_after + ctl.config.probe_steps])
+    assert any(s.drafted for s in steps[: 4 + ctl.config.probe_steps])
 
 
 def test_forced_modes() -> None:
