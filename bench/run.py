@@ -11,7 +11,16 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import chunk_shape, extraction, job_path, machine, prefix_cache, speculation, warm
+from bench import (
+    batch_rows,
+    chunk_shape,
+    extraction,
+    job_path,
+    machine,
+    prefix_cache,
+    speculation,
+    warm,
+)
 from shared.redis_server import private_redis
 from shared.settings import Settings
 from tests.harness import REPO, Stack, free_port
@@ -72,20 +81,32 @@ def _extraction_section(redis_url: str, log_dir: Path) -> str:
 
 
 def _speculation_section(redis_url: str, log_dir: Path, quick: bool) -> str:
-    settings = _settings(
-        redis_url,
-        "qwen2.5-0.5b",
-        n_ctx=4096,
-        cache={"dir": log_dir / "spec-kv"},
-        worker={"draft_archive": log_dir / "drafts.sqlite3"},
-    )
-    stack = Stack(settings, log_dir)
-    try:
-        stack.start_api()
-        stack.start_worker()
-        return speculation.section(settings, stack, rounds=1 if quick else 2)
-    finally:
-        stack.stop()
+    rounds = 1 if quick else 2
+    runs = {}
+    for variant, exact in zip(speculation.VARIANTS, (True, False), strict=True):
+        settings = _settings(
+            redis_url,
+            "qwen2.5-0.5b",
+            n_ctx=4096,
+            cache={"dir": log_dir / "spec-kv"},
+            worker={
+                "draft_archive": log_dir / f"drafts-{exact}.sqlite3",
+                "speculation_exact": exact,
+            },
+        )
+        stack = Stack(settings, log_dir)
+        try:
+            stack.start_api()
+            stack.start_worker()
+            runs[variant] = speculation.measure(stack, rounds)
+        finally:
+            stack.stop()
+    return speculation.section(settings, runs, rounds)
+
+
+def _batch_rows_section(redis_url: str) -> str:
+    models = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
+    return batch_rows.section([_settings(redis_url, m) for m in models])
 
 
 def _chunk_shape_section(redis_url: str) -> str:
@@ -106,7 +127,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     parser.add_argument(
         "--only",
-        choices=["job_path", "prefix_cache", "warm", "extraction", "speculation", "chunk_shape"],
+        choices=[
+            "job_path",
+            "prefix_cache",
+            "warm",
+            "extraction",
+            "speculation",
+            "batch_rows",
+            "chunk_shape",
+        ],
         help="one suite, printed, not written",
     )
     args = parser.parse_args()
@@ -118,6 +147,7 @@ def main() -> None:
             "warm": lambda: [_warm_section(redis_url, log_dir, args.quick)],
             "extraction": lambda: [_extraction_section(redis_url, log_dir)],
             "speculation": lambda: [_speculation_section(redis_url, log_dir, args.quick)],
+            "batch_rows": lambda: [_batch_rows_section(redis_url)],
             "chunk_shape": lambda: [_chunk_shape_section(redis_url)],
         }
         sections = []

@@ -46,16 +46,20 @@ class WorkerSettings(BaseModel):
     # shared by the workers of one host). None: `<data_dir>/drafts.sqlite3`.
     draft_archive: Path | None = None
     draft_archive_max_bytes: int = Field(64 * 1024**2, ge=1024**2)
+    # True: greedy output with drafting is plain decoding's. A verified row whose top two
+    # logits nearly tie is then decided again one token at a time (worker/near_tie.py), and
+    # those replays cost more than drafting saves on 2-core CPUs (docs/BENCHMARKS.md). False
+    # (default): such a row is taken as computed, so greedy output can part from plain
+    # decoding where two tokens nearly tie, by the batch drift docs/BENCHMARKS.md measures.
+    speculation_exact: bool = False
 
 
 class JobSettings(BaseModel):
     default_max_tokens: int = Field(256, gt=0)
     result_ttl_s: int = Field(86_400, gt=0)
-    # For requests that do not say. Off: on these CPUs a verified draft row costs ~40% of a
-    # decode step and near ties are replayed one token at a time, so drafting was slower than
-    # plain decoding in docs/BENCHMARKS.md, and greedy output can still part from plain
-    # decoding at near-exact ties. `auto` drafts for greedy requests while it measures faster.
-    speculation: Literal["auto", "on", "off"] = "off"
+    # For requests that do not say. `auto` drafts for greedy requests while drafting measures
+    # faster than plain decoding (sampled requests only draft when they ask for `on`).
+    speculation: Literal["auto", "on", "off"] = "auto"
 
 
 class CacheSettings(BaseModel):

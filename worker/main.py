@@ -39,7 +39,9 @@ def _speculator(settings: Settings) -> Speculator:
     path = worker.draft_archive or settings.data_dir / "drafts.sqlite3"
     archive = DraftArchive(path, max_bytes=worker.draft_archive_max_bytes)
     model = resolve_model(settings.model, settings.data_dir)
-    return Speculator(archive, model_fingerprint(model, settings.data_dir))
+    return Speculator(
+        archive, model_fingerprint(model, settings.data_dir), exact=worker.speculation_exact
+    )
 
 
 def run_worker(settings: Settings) -> None:

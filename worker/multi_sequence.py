@@ -91,6 +91,7 @@ class Drafting:
     sources: Sequence[DraftSource]
     planner: StepPlanner
     max_draft: int = 8
+    tie_margin: float = TIE_MARGIN
     drafted: int = 0
     accepted: int = 0
     # Question -> the source's guess of its next token, on a step that drafts nothing.
@@ -301,7 +302,6 @@ class _Run:
         keep_first_logits: bool,
         on_answer: OnAnswer | None,
         drafting: Drafting | None,
-        tie_margin: float = TIE_MARGIN,
     ) -> None:
         self.llama = llama
         self.drafting = drafting
@@ -316,7 +316,7 @@ class _Run:
         self.vocab = llama_cpp.llama_model_get_vocab(llama.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.started = time.perf_counter()
-        self.tie_margin = tie_margin
+        self.tie_margin = TIE_MARGIN if drafting is None else drafting.tie_margin
 
     def wave(self, streams: list[_Stream]) -> list[_Stream]:
         step_rows = len(streams) * (1 + (self.drafting.max_draft if self.drafting else 0))

@@ -18,6 +18,7 @@ from shared.schemas import Speculation, SpeculationReport, WorkOrder
 from worker.draft_archive import ArchiveDrafts, DraftArchive
 from worker.draft_sources import FirstOf, NgramLookup
 from worker.multi_sequence import Drafting
+from worker.near_tie import TIE_MARGIN
 from worker.speculation_control import SpeculationController
 from worker.speculative import Sampling, SpeculativeDecoder
 
@@ -57,19 +58,23 @@ def drafts(mode: Speculation, temperature: float) -> bool:
 
 
 class Speculator:
-    def __init__(self, archive: DraftArchive | None, fingerprint: str) -> None:
+    def __init__(
+        self, archive: DraftArchive | None, fingerprint: str, *, exact: bool = True
+    ) -> None:
         self.controller = SpeculationController()
         # Extraction steps decode many questions at once: their timings are another workload.
         self.extraction_controller = SpeculationController()
         self._archive = archive
         self._fingerprint = fingerprint
+        # Margin under which a greedy row decided in a batch is decided again alone.
+        self.tie_margin = TIE_MARGIN if exact else 0.0
 
     @contextmanager
     def drafting(self, prompts: list[list[int]], mode: Speculation) -> Iterator[Drafting]:
         """Drafting for questions decoded together, one prompt per question."""
         planner = self.extraction_controller.job(mode)
         try:
-            yield Drafting([NgramLookup(p) for p in prompts], planner)
+            yield Drafting([NgramLookup(p) for p in prompts], planner, tie_margin=self.tie_margin)
         finally:
             planner.finish()
 
@@ -92,6 +97,7 @@ class Speculator:
             planner=planner,
             seed=order.seed,
             max_tokens=max_tokens,
+            tie_margin=self.tie_margin,
         )
         run = SpeculativeRun(decoder, order.speculation)
         try:

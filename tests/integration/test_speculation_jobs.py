@@ -21,9 +21,11 @@ COPY = {"prompt": f"Repeat this exactly:\n{TEXT}\nRepeat:\n", "max_tokens": 48, 
 def test_speculation_gives_plain_output_and_reports_drafts(
     stack_factory: Callable[..., Stack],
 ) -> None:
-    stack = stack_factory()
-    plain = wait_status(stack, submit(stack, COPY)["id"], {"finished"}, 120)
-    assert plain["speculation"] is None  # off unless asked (`jobs.speculation`)
+    stack = stack_factory(worker={"speculation_exact": True})
+    plain = wait_status(
+        stack, submit(stack, COPY | {"speculation": "off"})["id"], {"finished"}, 120
+    )
+    assert plain["speculation"] is None
     auto = COPY | {"speculation": "auto"}
     fast = wait_status(stack, submit(stack, auto)["id"], {"finished"}, 120)
     assert fast["result"]["text"] == plain["result"]["text"]
@@ -36,6 +38,13 @@ def test_speculation_gives_plain_output_and_reports_drafts(
     assert metrics["granary_speculation_accepted_tokens_total{}"] == report["accepted"]
     bad = httpx.post(f"{stack.url}/v1/jobs", json=COPY | {"speculation": "always"})
     assert bad.status_code == 400 and bad.json()["error"]["field"] == "speculation"
+
+
+def test_greedy_requests_speculate_by_default(stack: Stack) -> None:
+    job = wait_status(stack, submit(stack, COPY)["id"], {"finished"}, 120)
+    assert job["speculation"]["mode"] == "auto"  # `jobs.speculation`
+    assert job["speculation"]["accepted"] > 0
+    assert "42 crates of pears" in job["result"]["text"]
 
 
 def test_auto_leaves_sampled_requests_plain_and_seeded(stack_factory: Callable[..., Stack]) -> None:
@@ -52,7 +61,7 @@ def test_auto_leaves_sampled_requests_plain_and_seeded(stack_factory: Callable[.
 
 
 def test_extraction_drafts_inside_its_questions(stack_factory: Callable[..., Stack]) -> None:
-    stack = stack_factory()
+    stack = stack_factory(worker={"speculation_exact": True})
     body = {
         "document": TEXT,
         "questions": [{"id": "copy", "question": "Repeat the document exactly."}],
@@ -63,7 +72,7 @@ def test_extraction_drafts_inside_its_questions(stack_factory: Callable[..., Sta
         job = httpx.post(f"{stack.url}/v1/extractions", json=body | extra).json()
         return wait_status(stack, job["id"], {"finished"}, 120)
 
-    plain, fast = run({}), run({"speculation": "auto"})
+    plain, fast = run({"speculation": "off"}), run({"speculation": "auto"})
     assert plain["speculation"] is None
     answer = fast["extraction"]["answers"]["copy"]["text"]
     assert answer == plain["extraction"]["answers"]["copy"]["text"]
