@@ -46,19 +46,21 @@ class WorkerSettings(BaseModel):
     # shared by the workers of one host). None: `<data_dir>/drafts.sqlite3`.
     draft_archive: Path | None = None
     draft_archive_max_bytes: int = Field(64 * 1024**2, ge=1024**2)
-    # True: greedy output with drafting is plain decoding's. A verified row whose top two
-    # logits nearly tie is then decided again one token at a time (worker/near_tie.py), and
-    # those replays cost more than drafting saves on 2-core CPUs (docs/BENCHMARKS.md). False
-    # (default): such a row is taken as computed, so greedy output can part from plain
-    # decoding where two tokens nearly tie, by the batch drift docs/BENCHMARKS.md measures.
-    speculation_exact: bool = False
+    # True (default): greedy output with drafting is plain decoding's, so a job's answer does
+    # not depend on whether or when it drafted: a verified row whose top two logits nearly
+    # tie is decided again one token at a time (worker/near_tie.py). On 2-core CPUs those
+    # replays cost about what drafting saves (docs/BENCHMARKS.md). False takes such rows as
+    # the batch computed them: copy-heavy answers decode much faster, but greedy output can
+    # part from plain decoding where two tokens nearly tie.
+    speculation_exact: bool = True
 
 
 class JobSettings(BaseModel):
     default_max_tokens: int = Field(256, gt=0)
     result_ttl_s: int = Field(86_400, gt=0)
     # For requests that do not say. `auto` drafts for greedy requests while drafting measures
-    # faster than plain decoding (sampled requests only draft when they ask for `on`).
+    # faster than plain decoding (sampled requests only draft when they ask for `on`); with
+    # `worker.speculation_exact` their output is the same as with `off`.
     speculation: Literal["auto", "on", "off"] = "auto"
 
 

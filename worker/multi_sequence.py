@@ -115,11 +115,13 @@ class Drafting:
             self.planner.guessed(guess == token)
         self.sources[question].extend([token])
 
-    def record(self, drafts: Sequence[Sequence[int]], accepted: int, emitted: int) -> None:
+    def record(
+        self, drafts: Sequence[Sequence[int]], accepted: int, emitted: int, replayed: bool
+    ) -> None:
         drafted = sum(len(d) for d in drafts)
         self.drafted += drafted
         self.accepted += accepted
-        self.planner.record(drafted, accepted, emitted)
+        self.planner.record(drafted, accepted, emitted, replayed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,7 +395,7 @@ class _Run:
             self._take(stream, self._logits(0), alone=False)
             emitted += 1
         if self.drafting is not None:
-            self.drafting.record(drafts, accepted, emitted)
+            self.drafting.record(drafts, accepted, emitted, replayed=bool(ties))
 
     def _drafts(self, live: list[_Stream]) -> list[list[int]]:
         """Each sequence's guess at its next tokens (none when not drafting or sampling)."""

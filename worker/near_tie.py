@@ -1,12 +1,12 @@
 """When a greedy choice made in a batch cannot be trusted to match decoding alone.
 
 llama.cpp's CPU kernels give a row computed in a batch of several tokens slightly different
-logits than the same token decoded alone (the matrix kernels and the attention sum in another
-order). Measured here (Qwen2.5-0.5B, 1,024-token context, 2 threads) the gap reaches ~0.33
-logits, and it is nil on some models and contexts, never a constant. Greedy decoding only
-notices where the top two logits are closer than that gap, so batched decoders (speculative
-verification, questions decoded together) decide a step whose margin is under TIE_MARGIN by
-decoding that token again alone — the shape a plain single job uses.
+logits than the same token decoded alone (the matrix kernels pick other code paths by batch
+size and sum in another order); docs/BENCHMARKS.md measures that drift per model and batch
+size (bench/batch_rows.py). Greedy decoding only notices where the top two logits are closer
+than the drift, so batched decoders (speculative verification with `worker.speculation_exact`,
+questions decoded together) decide a step whose margin is under TIE_MARGIN by decoding that
+token again alone: the shape a plain single job uses.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-# Twice the largest batch-vs-alone gap measured here (Qwen2.5-0.5B: 0.33); 0.5 let a Qwen
-# near tie flip in tests/integration/test_speculative.py, 0.75 passes on all three models.
+# Above the batch drift docs/BENCHMARKS.md measures; 0.5 let a Qwen near tie flip in
+# tests/integration/test_speculative.py, 0.75 passes on all three models.
 TIE_MARGIN = 0.75
 
 

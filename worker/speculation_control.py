@@ -51,8 +51,10 @@ class ControlConfig:
     max_probe_every: int = 640
     probe_steps: int = 4
     # Share of plain steps whose token the draft source guessed (moving average) at which
-    # drafting is probed at once, if the last probe saw fewer right guesses.
+    # drafting is probed at once, if it is also clearly above the share when the last probe
+    # started: free text hovers around a half, and must not trigger probe after probe.
     guess_trigger: float = 0.5
+    guess_gain: float = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,13 +166,15 @@ class JobSpeculation:
         self._step_started = self._clock()
         return self.state.draft if self._step_speculates else 0
 
-    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+    def record(self, drafted: int, accepted: int, emitted: int, replayed: bool = False) -> None:
         elapsed = self._clock() - self._step_started
         if drafted > 0:
             self._adapt_draft(drafted, accepted)
         # A step that found nothing to draft was a plain decode, whatever was planned: counted
-        # as speculative, its noise alone would decide a comparison of two equal costs.
-        speculative = drafted > 0
+        # as speculative, its noise alone would decide a comparison of two equal costs. A step
+        # that replayed near-tie cells paid for earlier drafting: counted as plain, the cost
+        # would make plain decoding look slow and drafting look cheap.
+        speculative = drafted > 0 or replayed
         probed = False
         if self._probe_left > 0:
             probed = self._record_probe(speculative, elapsed, emitted)
@@ -195,9 +199,10 @@ class JobSpeculation:
     def _probe_due(self) -> bool:
         if self.state.until_probe <= 0:
             return True
-        # Guesses coming true that did not when drafting last lost: the text changed.
-        trigger = self.config.guess_trigger
-        return not self.state.speculating and self._guesses >= trigger > self.state.probed_guesses
+        # Guesses coming true that did not when drafting was last probed: the text changed.
+        cfg = self.config
+        needed = max(cfg.guess_trigger, self.state.probed_guesses + cfg.guess_gain)
+        return not self.state.speculating and self._guesses >= needed
 
     def _adapt_draft(self, drafted: int, accepted: int) -> None:
         cfg = self.config

@@ -1,11 +1,10 @@
 """Speculative decoding: verify a drafted continuation in one batched forward pass.
 
 Decoding one token reads every weight once; decoding the pending token plus k drafted ones in
-one batch reads them once too. On a CPU the batch is not free, though: measured on Qwen2.5-0.5B
-with 2 threads, one token takes ~22 ms and 17 tokens ~155-205 ms, so each verified token costs
-~40% of a plain step, and a draft pays only where most of it is accepted. Rejected tokens'
-memory cells are dropped again (worker/speculation_control.py decides whether and how far to
-draft).
+one batch reads them once too. On a small CPU the batch is far from free, though (each extra
+row costs a sizeable share of a plain step: docs/BENCHMARKS.md, "Decoding rows in one batch"),
+so a draft pays only where most of it is accepted. Rejected tokens' memory cells are dropped
+again (worker/speculation_control.py decides whether and how far to draft).
 
 The model computes logits only for the positions being verified (the Llama is created with
 logits_all=False; nothing here touches the prompt's logits).
@@ -17,13 +16,14 @@ removed, so tokens follow the target distribution exactly. The target distributi
 llama-cpp-python's sampler chain samples from (top-k, top-p, min-p, temperature).
 
 llama.cpp's CPU kernels are not batch-invariant: a row computed in a batch of several differs
-from the same token decoded alone (up to ~0.33 logits measured here on Qwen2.5-0.5B at a
-1k-token context), so a greedy choice between two nearly tied logits could flip. Greedy
-verification therefore trusts a batched row only where its top two logits are at least
-`tie_margin` apart; at a closer call it recomputes, one token at a time as plain decoding
-does, every cell since the last one computed that way, and takes that choice
-(worker/near_tie.py). Greedy output is then plain decoding's wherever batching moves logits by
-less than half the margin.
+from the same token decoded alone (docs/BENCHMARKS.md measures the drift), so a greedy choice
+between two nearly tied logits can flip. With a `tie_margin` (`worker.speculation_exact`),
+greedy verification trusts a batched row only where its top two logits are at least that far
+apart; at a closer call it recomputes, one token at a time as plain decoding does, every cell
+since the last one computed that way, and takes that choice (worker/near_tie.py). Greedy
+output is then plain decoding's wherever batching moves logits by less than half the margin.
+With margin 0 (the worker's default), near ties are taken as the batch computed them: much
+faster where drafts are accepted, but output may part from plain decoding at a near tie.
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ class StepPlanner(Protocol):
         """Tokens to draft for the next step; 0 decodes one token plainly."""
         ...
 
-    def record(self, drafted: int, accepted: int, emitted: int) -> None: ...
+    def record(self, drafted: int, accepted: int, emitted: int, replayed: bool = False) -> None:
+        """After a step; `replayed`: a near tie re-decoded batch-written cells alone."""
+        ...
 
     def guessed(self, right: bool) -> None:
         """On a step planned without a draft: whether the source's guess of its token was right."""
@@ -109,7 +111,7 @@ class FixedDraft:
     def plan(self) -> int:
         return self.k
 
-    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+    def record(self, drafted: int, accepted: int, emitted: int, replayed: bool = False) -> None:
         pass
 
     def guessed(self, right: bool) -> None:
@@ -288,9 +290,11 @@ class SpeculativeDecoder:
         # A plain step still asks for a guess (no model work) so the planner sees when drafts
         # would start paying.
         guess = source.propose(1) if source is not None and planned == 0 else []
+        replays = self.stats.tie_replays
         emitted, accepted = self._verify(draft)
         if source is not None:
-            self.planner.record(len(draft), accepted, len(emitted))
+            replayed = self.stats.tie_replays > replays
+            self.planner.record(len(draft), accepted, len(emitted), replayed)
             if guess:
                 self.planner.guessed(guess[0] == emitted[0])
             source.extend(emitted)

@@ -105,6 +105,35 @@ def test_greedy_output_is_identical_with_drafts_accepted(llama: Llama) -> None:
     assert stats.verify_passes + stats.plain_steps < N_TOKENS
 
 
+class NeverDrafts:
+    """A planner that keeps every step plain and keeps the source's scored guesses."""
+
+    speedup = None
+
+    def __init__(self) -> None:
+        self.guesses: list[bool] = []
+
+    def plan(self) -> int:
+        return 0
+
+    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        assert drafted == 0
+
+    def guessed(self, right: bool) -> None:
+        self.guesses.append(right)
+
+
+def test_plain_steps_score_the_sources_guesses(llama: Llama) -> None:
+    """What lets `auto` notice, without drafting, that drafts would now be accepted."""
+    planner = NeverDrafts()
+    ours, decoder = speculative(llama, COPY, planner)
+    assert ours == plain_greedy(llama, COPY)
+    assert decoder.stats.drafted == 0
+    # Copying the prompt: the n-gram source guesses most tokens, and most guesses come true.
+    assert len(planner.guesses) > N_TOKENS // 2
+    assert sum(planner.guesses) > len(planner.guesses) // 2
+
+
 def test_without_a_source_it_is_plain_decoding_bit_for_bit(llama: Llama) -> None:
     prompt = "Q: What is 17 times 23?\nA:"
     reference = plain_greedy(llama, prompt, 24)

@@ -190,3 +190,19 @@ def test_draft_length_grows_on_full_acceptance_and_shrinks_on_rejection() -> Non
     job.plan()
     job.record(0, 0, 1)  # nothing drafted: nothing learned about the length
     assert job.draft_length == start + ctl.config.grow - ctl.config.shrink
+
+
+def test_a_replay_is_charged_to_drafting_not_to_plain_decoding() -> None:
+    """A near-tie replay in a plain step pays for cells drafting wrote earlier."""
+    ctl, clock = controller()
+    job = ctl.job("on")
+    job.plan()
+    clock.now += PLAIN_S
+    job.record(0, 0, 1)
+    assert job.state.plain is not None and job.state.spec is None
+    plain = job.state.plain
+    job.plan()
+    clock.now += 10 * PLAIN_S
+    job.record(0, 0, 1, replayed=True)
+    assert job.state.plain == plain
+    assert job.state.spec is not None and job.state.spec.per_token == 10 * PLAIN_S
