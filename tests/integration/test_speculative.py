@@ -116,8 +116,8 @@ class NeverDrafts:
     def plan(self) -> int:
         return 0
 
-    def record(self, drafted: int, accepted: int, emitted: int) -> None:
-        assert drafted == 0
+    def record(self, drafted: int, accepted: int, emitted: int, replayed: bool = False) -> None:
+        assert drafted == 0 and not replayed
 
     def guessed(self, right: bool) -> None:
         self.guesses.append(right)
