@@ -58,10 +58,11 @@ class WorkerSettings(BaseModel):
 class JobSettings(BaseModel):
     default_max_tokens: int = Field(256, gt=0)
     result_ttl_s: int = Field(86_400, gt=0)
-    # For requests that do not say. `auto` drafts for greedy requests while drafting measures
-    # faster than plain decoding (sampled requests only draft when they ask for `on`); with
-    # `worker.speculation_exact` their output is the same as with `off`.
-    speculation: Literal["auto", "on", "off"] = "auto"
+    # For requests that do not say. Off: on the 2-core machines measured (docs/BENCHMARKS.md)
+    # `auto` with exact greedy output was slower than `off` on most workloads, and its decode
+    # loop costs the job path a few percent; without exactness it pays on copy-heavy answers
+    # but greedy output can change at near ties. `auto` drafts for greedy requests only.
+    speculation: Literal["auto", "on", "off"] = "off"
 
 
 class CacheSettings(BaseModel):
