@@ -14,8 +14,9 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-# Above the batch drift docs/BENCHMARKS.md measures; 0.5 let a Qwen near tie flip in
-# tests/integration/test_speculative.py, 0.75 passes on all three models.
+# 0.5 let a Qwen near tie flip in tests/integration/test_speculative.py; 0.75 passes on all
+# three models. It is not a bound: docs/BENCHMARKS.md measures drifts past half of it at 8+
+# rows on SmolLM2 and Gemma-3, so a tie the batch hid that well still goes undetected.
 TIE_MARGIN = 0.75
 
 
