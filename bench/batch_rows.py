@@ -9,8 +9,7 @@ the time of one pass of n rows against one of a single row (median of 5).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import llama_cpp
 import numpy as np
@@ -18,19 +17,11 @@ from llama_cpp import Llama
 
 from shared.llm import load_llama
 from shared.settings import Settings
+from worker.multi_sequence import fill_batch, llama_batch
 
 ROWS = (1, 2, 3, 4, 8, 12, 16)
 PROMPT_TOKENS = 700
 REPEATS = 5
-
-
-@contextmanager
-def _batch(capacity: int) -> Iterator[llama_cpp.llama_batch]:
-    batch = llama_cpp.llama_batch_init(capacity, 0, 1)
-    try:
-        yield batch
-    finally:
-        llama_cpp.llama_batch_free(batch)
 
 
 class _Decoder:
@@ -39,15 +30,8 @@ class _Decoder:
         self.memory = llama_cpp.llama_get_memory(llama.ctx)
 
     def decode(self, tokens: Sequence[int], start: int, logits: bool) -> None:
-        batch = self.batch
-        for i, token in enumerate(tokens):
-            batch.token[i] = token
-            batch.pos[i] = start + i  # type: ignore[call-overload]
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = logits
-        batch.n_tokens = len(tokens)
-        if llama_cpp.llama_decode(self.llama.ctx, batch) != 0:
+        fill_batch(self.batch, [(t, start + i, 0) for i, t in enumerate(tokens)], logits)
+        if llama_cpp.llama_decode(self.llama.ctx, self.batch) != 0:
             raise RuntimeError("llama_decode failed")
 
     def row(self, i: int) -> np.ndarray:
@@ -62,7 +46,7 @@ def _rows(settings: Settings, text: str) -> list[str]:
     llama = load_llama(settings)
     tokens = llama.tokenize(text.encode(), add_bos=True, special=True)[:PROMPT_TOKENS]
     prompt_end = len(tokens) - 1
-    with _batch(llama.n_batch) as batch:
+    with llama_batch(llama.n_batch) as batch:
         dec = _Decoder(llama, batch)
         for start in range(0, prompt_end, 256):
             dec.decode(tokens[start : min(prompt_end, start + 256)], start, logits=False)

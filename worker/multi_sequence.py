@@ -325,7 +325,7 @@ class _Run:
         n_batch = self.llama.n_batch
         self.capacity = max(min(self.chunk_tokens, n_batch), min(step_rows, n_batch), len(streams))
         try:
-            with _batch(self.capacity) as batch:
+            with llama_batch(self.capacity) as batch:
                 for stream in streams:
                     self._fork(stream)
                     self._prefill(batch, stream)
@@ -361,7 +361,7 @@ class _Run:
             for start in range(position, chunk_end, self.llama.n_batch):
                 stop = min(start + self.llama.n_batch, chunk_end)
                 pieces = [(tokens[p - self.prefix], p, stream.seq) for p in range(start, stop)]
-                _fill(batch, pieces, logits=False)
+                fill_batch(batch, pieces, logits=False)
                 self._decode(batch)
             position = chunk_end
         stream.pos = stream.exact_until = end
@@ -378,7 +378,7 @@ class _Run:
             for stream, draft in zip(live, drafts, strict=True)
             for i, token in enumerate([stream.next_token, *draft])
         ]
-        _fill(batch, rows, logits=True)
+        fill_batch(batch, rows, logits=True)
         self._decode(batch)
         ties: list[_Stream] = []
         row, accepted, emitted = 0, 0, 0
@@ -440,7 +440,7 @@ class _Run:
         begin = stream.exact_until
         llama_cpp.llama_memory_seq_rm(self.mem, stream.seq, begin, -1)
         for pos in range(begin, stream.pos + 1):
-            _fill(batch, [(stream.token_at(pos), pos, stream.seq)], logits=pos == stream.pos)
+            fill_batch(batch, [(stream.token_at(pos), pos, stream.seq)], logits=pos == stream.pos)
             self._decode(batch)
         stream.exact_until = stream.pos + 1
 
@@ -499,7 +499,7 @@ def sample(logits: Logits, temperature: float, top_p: float, rng: np.random.Gene
 
 
 @contextlib.contextmanager
-def _batch(capacity: int) -> Iterator[llama_cpp.llama_batch]:
+def llama_batch(capacity: int) -> Iterator[llama_cpp.llama_batch]:
     batch = llama_cpp.llama_batch_init(capacity, 0, 1)
     try:
         yield batch
@@ -507,7 +507,7 @@ def _batch(capacity: int) -> Iterator[llama_cpp.llama_batch]:
         llama_cpp.llama_batch_free(batch)
 
 
-def _fill(
+def fill_batch(
     batch: llama_cpp.llama_batch, pieces: Sequence[tuple[int, int, int]], logits: bool
 ) -> None:
     """Put (token, position, sequence) triples into `batch`, asking logits for all or none."""
