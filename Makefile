@@ -19,7 +19,7 @@ else
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON
 endif
 
-.PHONY: run test bench lint install wheel clean
+.PHONY: run test bench lint install wheel wheel-invariant clean
 
 run: $(STAMP)
 	$(BIN)/granary prepare >/dev/null
@@ -28,8 +28,8 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
 
-bench: $(STAMP)
-	$(BIN)/python -m bench.run
+bench: $(STAMP) wheel-invariant
+	$(BIN)/python -m bench.run --invariant-site $(INVARIANT_SITE)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -44,6 +44,19 @@ wheel:
 	  echo "building llama-cpp-python $(LLAMA_VERSION) (4-5 minutes on 2 cores)..." && \
 	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip wheel --no-deps -w $(WHEEL_DIR) \
 	    llama-cpp-python==$(LLAMA_VERSION); }
+
+# For bench/batch_rows.py only: llama.cpp without llamafile's sgemm, whose code path depends on
+# the number of rows in a batch (the bench turns off the other two such kernels at run time).
+# Installed beside the venv, never into it.
+INVARIANT_DIR := $(WHEEL_DIR)/batch-invariant
+INVARIANT_SITE := $(INVARIANT_DIR)/site
+wheel-invariant: $(STAMP)
+	@test -d $(INVARIANT_SITE)/llama_cpp || { \
+	  echo "building batch-invariant llama-cpp-python $(LLAMA_VERSION) (4-5 minutes)..." && \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS) -DGGML_LLAMAFILE=OFF" $(BIN)/pip wheel --no-deps --no-cache-dir \
+	    --no-binary llama-cpp-python -w $(INVARIANT_DIR) llama-cpp-python==$(LLAMA_VERSION) && \
+	  $(BIN)/pip install -q --no-deps --target $(INVARIANT_SITE) \
+	    $(INVARIANT_DIR)/llama_cpp_python-$(LLAMA_VERSION)-*.whl; }
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -1,15 +1,30 @@
-"""What a verified draft costs, and why batched greedy rows are checked for near ties.
+"""What a verified draft costs, and whether batched rows can be made to equal rows decoded alone.
 
-After a 700-token prompt, the next 12 tokens are decoded one at a time (plain decoding), then
+After a 700-token prompt, the next 16 tokens are decoded one at a time (plain decoding), then
 again as one batch of n rows (speculative verification's shape). For each n: the largest
 difference between a row's logits in the batch and the same token's logits decoded alone, and
-the time of one pass of n rows against one of a single row (median of 5).
+the time of one pass of n rows against one of a single row (median of 5). Also prefill speed.
+
+Two kernel setups, each in its own process: the wheel `make install` builds, and a
+batch-invariant one (`make wheel-invariant`): llama.cpp built without llamafile's sgemm, and
+run without weight repacking (`use_extra_bufts`) or the tiled K-quant path
+(`GGML_CPU_TILED_MM=0`). Those three pick their code path by the number of rows; without them
+every output element is one dot product whatever the batch.
+
+`python -m bench.batch_rows MODEL DATA_DIR [--threads N] [--no-repack]` measures one model and prints JSON.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import llama_cpp
 import numpy as np
@@ -22,6 +37,23 @@ from worker.multi_sequence import fill_batch, llama_batch
 ROWS = (1, 2, 3, 4, 8, 12, 16)
 PROMPT_TOKENS = 700
 REPEATS = 5
+TEXT = " ".join(
+    f"Item {i}: a crate of {i * 7 % 13} pears for shop {i % 5}, sent on day {i * 3 % 29}."
+    for i in range(60)
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RowCost:
+    rows: int
+    drift: float
+    pass_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    prefill_tok_s: float
+    costs: list[RowCost]
 
 
 class _Decoder:
@@ -41,47 +73,95 @@ class _Decoder:
     def cut(self, start: int) -> None:
         llama_cpp.llama_memory_seq_rm(self.memory, 0, start, -1)
 
+    def timed(self, tokens: Sequence[int], start: int, logits: bool) -> float:
+        times = []
+        for _ in range(REPEATS):
+            self.cut(start)
+            started = time.perf_counter()
+            self.decode(tokens, start, logits)
+            times.append(time.perf_counter() - started)
+        return float(np.median(times))
 
-def _rows(settings: Settings, text: str) -> list[str]:
+
+def measure(settings: Settings) -> Measured:
     llama = load_llama(settings)
-    tokens = llama.tokenize(text.encode(), add_bos=True, special=True)[:PROMPT_TOKENS]
+    tokens = llama.tokenize(TEXT.encode(), add_bos=True, special=True)[:PROMPT_TOKENS]
     prompt_end = len(tokens) - 1
+    chunk = 256
     with llama_batch(llama.n_batch) as batch:
         dec = _Decoder(llama, batch)
-        for start in range(0, prompt_end, 256):
-            dec.decode(tokens[start : min(prompt_end, start + 256)], start, logits=False)
+        prefill_s = dec.timed(tokens[:chunk], 0, logits=False)
+        dec.cut(0)
+        for start in range(0, prompt_end, chunk):
+            dec.decode(tokens[start : min(prompt_end, start + chunk)], start, logits=False)
         alone, seq = [], [tokens[-1]]
         for i in range(max(ROWS)):
             dec.decode(seq[-1:], prompt_end + i, logits=True)
             alone.append(dec.row(0))
             seq.append(int(alone[-1].argmax()))
-        rows, single_ms = [], 0.0
+        costs = []
         for n in ROWS:
             dec.cut(prompt_end)
             dec.decode(seq[:n], prompt_end, logits=True)
-            diff = max(float(np.abs(dec.row(i) - alone[i]).max()) for i in range(n))
-            times = []
-            for _ in range(REPEATS):
-                dec.cut(prompt_end)
-                started = time.perf_counter()
-                dec.decode(seq[:n], prompt_end, logits=True)
-                times.append(time.perf_counter() - started)
-            ms = float(np.median(times)) * 1000
-            single_ms = single_ms or ms
-            rows.append(
-                f"| {settings.model} | {n} | {diff:.4f} | {ms:.1f} | {ms / single_ms:.2f} |"
-            )
+            drift = max(float(np.abs(dec.row(i) - alone[i]).max()) for i in range(n))
+            ms = dec.timed(seq[:n], prompt_end, logits=True) * 1000
+            costs.append(RowCost(n, drift, ms))
     llama.close()
-    return rows
+    return Measured(chunk / prefill_s, costs)
 
 
-def section(models: list[Settings]) -> str:
-    text = " ".join(
-        f"Item {i}: a crate of {i * 7 % 13} pears for shop {i % 5}, sent on day {i * 3 % 29}."
-        for i in range(60)
+def _without_repack() -> None:
+    """llama-cpp-python has no argument for llama_model_params.use_extra_bufts."""
+    default = llama_cpp.llama_model_default_params
+
+    def params() -> llama_cpp.llama_model_params:
+        value: llama_cpp.llama_model_params = default()
+        value.use_extra_bufts = False
+        return value
+
+    # Llama.__init__ calls it through the llama_cpp.llama_cpp module.
+    llama_cpp.llama_cpp.llama_model_default_params = params
+
+
+def _run(settings: Settings, invariant_site: Path | None) -> Measured:
+    """One model in a fresh process, with the stock wheel or the batch-invariant one."""
+    command = [sys.executable, "-m", "bench.batch_rows", settings.model, str(settings.data_dir)]
+    command += ["--threads", str(settings.threads)]
+    env = dict(os.environ)
+    if invariant_site is not None:
+        command.append("--no-repack")
+        env["PYTHONPATH"] = os.pathsep.join([str(invariant_site), env.get("PYTHONPATH", "")])
+        env["GGML_CPU_TILED_MM"] = "0"
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+    data = json.loads(out)
+    return Measured(data["prefill_tok_s"], [RowCost(**c) for c in data["costs"]])
+
+
+def section(models: list[Settings], invariant_site: Path | None) -> str:
+    setups: dict[str, Path | None] = {"stock": None}
+    if invariant_site is not None:
+        setups["batch-invariant"] = invariant_site
+    rows, prefill = [], []
+    for settings in models:
+        measured = {name: _run(settings, site) for name, site in setups.items()}
+        stock_prefill = measured["stock"].prefill_tok_s
+        for name, result in measured.items():
+            prefill.append(
+                f"| {settings.model} | {name} | {result.prefill_tok_s:.0f} | "
+                f"{result.prefill_tok_s / stock_prefill:.2f} |"
+            )
+            single = result.costs[0].pass_ms
+            rows += [
+                f"| {settings.model} | {name} | {c.rows} | {c.drift:.4f} | {c.pass_ms:.1f} | "
+                f"{c.pass_ms / single:.2f} | {c.rows * single / c.pass_ms:.2f} |"
+                for c in result.costs
+            ]
+    missing = (
+        ""
+        if invariant_site is not None
+        else "\nThe batch-invariant wheel was not given (`make wheel-invariant`): stock only.\n"
     )
-    rows = [row for settings in models for row in _rows(settings, text)]
-    return HEADER + "\n".join(rows) + "\n"
+    return HEADER + "\n".join(rows) + "\n" + PREFILL_HEADER + "\n".join(prefill) + "\n" + missing
 
 
 HEADER = f"""## Decoding rows in one batch: drift and cost
@@ -89,11 +169,41 @@ HEADER = f"""## Decoding rows in one batch: drift and cost
 After a {PROMPT_TOKENS}-token prompt, the next tokens are decoded one at a time, then again as
 one batch of n rows — the shape in which speculative decoding verifies a draft of n - 1 tokens
 (and extraction decodes n questions). "Drift" is the largest logit difference between a row
-computed in the batch and the same token decoded alone; greedy verification decides a row
-again alone when its top two logits are closer than `TIE_MARGIN` (worker/near_tie.py). "Pass"
-is the median time of one decode call of n rows with logits for all of them; a verified draft
-pays only if the tokens it accepts outnumber the pass's cost in single steps.
+computed in the batch and the same token decoded alone; with `worker.speculation_exact`,
+greedy verification decides a row again alone when its top two logits are closer than
+`TIE_MARGIN` (worker/near_tie.py). "Pass" is the median time of one decode call of n rows with
+logits for all of them. "Bound" is rows / (pass / one row): the speed-up of a draft of n - 1
+tokens that is accepted whole, the most speculation can give at that length.
 
-| model | rows | drift (max abs logit) | pass ms | pass / one row |
-|---|---|---|---|---|
+Two kernel setups (`bench/batch_rows.py`): **stock** is the wheel `make install` builds;
+**batch-invariant** is llama.cpp built without llamafile's sgemm and run without weight
+repacking and without the tiled K-quant path, the three kernels that change code path with
+the number of rows (`make wheel-invariant`).
+
+| model | kernels | rows | drift (max abs logit) | pass ms | pass / one row | bound |
+|---|---|---|---|---|---|---|
 """
+
+PREFILL_HEADER = """
+Prefill of a 256-token chunk (median of 5), the same two setups:
+
+| model | kernels | prefill tok/s | vs stock |
+|---|---|---|---|
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("data_dir", type=Path)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-repack", action="store_true")
+    args = parser.parse_args()
+    if args.no_repack:
+        _without_repack()
+    settings = Settings(model=args.model, data_dir=args.data_dir, n_threads=args.threads)
+    print(json.dumps(asdict(measure(settings))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """`make bench`: run every benchmark and write docs/BENCHMARKS.md.
 
-Usage: python -m bench.run [--quick]
+Usage: python -m bench.run [--quick] [--only SUITE] [--invariant-site DIR]
 """
 
 from __future__ import annotations
@@ -104,9 +104,9 @@ def _speculation_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     return speculation.section(settings, runs, rounds)
 
 
-def _batch_rows_section(redis_url: str) -> str:
+def _batch_rows_section(redis_url: str, invariant_site: Path | None) -> str:
     models = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
-    return batch_rows.section([_settings(redis_url, m) for m in models])
+    return batch_rows.section([_settings(redis_url, m) for m in models], invariant_site)
 
 
 def _chunk_shape_section(redis_url: str) -> str:
@@ -138,6 +138,11 @@ def main() -> None:
         ],
         help="one suite, printed, not written",
     )
+    parser.add_argument(
+        "--invariant-site",
+        type=Path,
+        help="llama-cpp-python built batch-invariant (make wheel-invariant), for batch_rows",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, private_redis(Path(tmp) / "redis") as redis_url:
         log_dir = Path(tmp)
@@ -147,7 +152,7 @@ def main() -> None:
             "warm": lambda: [_warm_section(redis_url, log_dir, args.quick)],
             "extraction": lambda: [_extraction_section(redis_url, log_dir)],
             "speculation": lambda: [_speculation_section(redis_url, log_dir, args.quick)],
-            "batch_rows": lambda: [_batch_rows_section(redis_url)],
+            "batch_rows": lambda: [_batch_rows_section(redis_url, args.invariant_site)],
             "chunk_shape": lambda: [_chunk_shape_section(redis_url)],
         }
         sections = []
