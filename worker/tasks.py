@@ -111,10 +111,13 @@ class Runtime:
             with TokenPublisher(self.store, job_id, self._stream_interval_s) as publisher:
                 return work(publisher)
         except Exception as exc:
-            log.exception("job %s failed", job_id)
-            self.engine.forget()  # its memory may be half-written: the next job starts clean
-            self.store.finish(job_id, JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
+            self._fail(job_id, exc)
             return None
+
+    def _fail(self, job_id: str, exc: Exception) -> None:
+        log.exception("job %s failed", job_id)
+        self.engine.forget()  # its memory may be half-written: the next job starts clean
+        self.store.finish(job_id, JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
 
     def _finish(
         self,
@@ -163,9 +166,7 @@ class Runtime:
         try:
             outcome = self.engine.warm(order, lambda: self._should_yield(job_id))
         except Exception as exc:
-            log.exception("warm job %s failed", job_id)
-            self.engine.forget()
-            store.finish(job_id, JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
+            self._fail(job_id, exc)
             self._warm_runs.done(order.item, order.cache_namespace)
             return
         result = _accumulate(before, outcome)
