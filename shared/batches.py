@@ -29,6 +29,8 @@ from shared.schemas import (
 from shared.submission import Submitter
 
 BATCH_QUEUE = "batch"
+# Jobs read per pipelined round trip: results stream out without holding every item at once.
+_READ_CHUNK = 500
 # Batch counts use the names batch users expect for job statuses.
 _COUNT_NAMES = {
     JobStatus.QUEUED: "queued",
@@ -111,10 +113,12 @@ class Batches:
         return record
 
     def _jobs(self, batch_id: str) -> Iterator[tuple[str, JobView]]:
+        """Items in submission order, read `_READ_CHUNK` jobs per round trip."""
         raw: list[bytes] = self._redis.lrange(keys.batch_items(batch_id), 0, -1)  # type: ignore[assignment]
-        for entry in raw:
-            custom_id, job_id = codec.loads(entry)
-            try:
-                yield custom_id, self._store.get(job_id)
-            except JobNotFound:  # expired with its result TTL
-                continue
+        entries: list[tuple[str, str]] = [tuple(codec.loads(entry)) for entry in raw]
+        for start in range(0, len(entries), _READ_CHUNK):
+            chunk = entries[start : start + _READ_CHUNK]
+            views = self._store.get_many([job_id for _, job_id in chunk])
+            for (custom_id, _), view in zip(chunk, views, strict=True):
+                if view is not None:  # None: expired with its result TTL
+                    yield custom_id, view

@@ -124,11 +124,26 @@ class JobStore:
             raise JobNotFound(f"no job with id {job_id!r}")
         return self._view(job_id, record)
 
+    def get_many(self, job_ids: list[str]) -> list[JobView | None]:
+        """Views in the order given, None for a job that does not exist (any more).
+
+        One pipelined round trip: a batch of thousands of items is read in a few calls,
+        not one per item.
+        """
+        with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hgetall(keys.job(job_id))
+            raws: list[dict[bytes, bytes]] = pipe.execute()
+        return [
+            self._view(job_id, _decoded(raw)) if raw else None
+            for job_id, raw in zip(job_ids, raws, strict=True)
+        ]
+
     def _record(self, job_id: str) -> dict[str, str]:
         raw: dict[bytes, bytes] = self._redis.hgetall(keys.job(job_id))  # type: ignore[assignment]
         if not raw:
             raise JobNotFound(f"no job with id {job_id!r}")
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return _decoded(raw)
 
     def delete(self, job_id: str) -> None:
         self._redis.delete(keys.job(job_id), keys.job_events(job_id))
@@ -209,3 +224,7 @@ class JobStore:
             if name in data:
                 data[name] = codec.loads(data[name])
         return JobView.model_validate(data)
+
+
+def _decoded(raw: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in raw.items()}

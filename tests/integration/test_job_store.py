@@ -67,3 +67,15 @@ def test_finished_job_cannot_be_cancelled_or_refinished(store: JobStore) -> None
     assert store.cancel("j").status == JobStatus.FINISHED
     assert store.finish("j", JobStatus.FAILED, error="late") is False
     assert store.get("j").status == JobStatus.FINISHED
+
+
+def test_many_jobs_read_in_order_with_gone_ones_as_none(store: JobStore) -> None:
+    for job_id in ("a", "b", "c"):
+        store.create(job_id, "batch", ORDER)
+    store.start("b")
+    store.finish("b", JobStatus.FINISHED, result=JobResult(text="x", finish_reason="stop"))
+    store.delete("c")
+    views = store.get_many(["b", "missing", "a", "c"])
+    assert [v.id if v else None for v in views] == ["b", None, "a", None]
+    assert views[0] is not None and views[0].result == JobResult(text="x", finish_reason="stop")
+    assert views[2] == store.get("a")
