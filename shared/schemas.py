@@ -295,6 +295,8 @@ class Usage(BaseModel):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    # Completion tokens an earlier attempt streamed before its worker died, taken as given.
+    resumed_tokens: int = 0
 
 
 class Timings(BaseModel):
@@ -352,6 +354,8 @@ class TokenEvent(BaseModel):
     text: str
     # Extraction jobs: which question's answer this token belongs to.
     question: str | None = None
+    # The token the text came from; None for text released when an answer ends.
+    token: int | None = None
 
 
 class AnswerEvent(BaseModel):

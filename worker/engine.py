@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import llama_cpp
@@ -36,8 +36,9 @@ from worker.text_stream import TextStream
 
 log = logging.getLogger(__name__)
 
-# Called with (completion index, text piece); returns True to stop (the job was cancelled).
-OnToken = Callable[[int, str], bool]
+# Called with (the token a text piece came from, None for text released at the end, the piece);
+# returns True to stop (the job was cancelled).
+OnToken = Callable[[int | None, str], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +63,8 @@ class _Prompt:
         return len(self.tokens) - 1
 
 
-def _breaks(boundary: int | None, limit: int) -> tuple[int, ...]:
-    return (boundary,) if boundary is not None and 0 < boundary < limit else ()
+def _breaks(*ends: int | None, limit: int) -> tuple[int, ...]:
+    return tuple(sorted({end for end in ends if end is not None and 0 < end < limit}))
 
 
 class Engine:
@@ -109,22 +110,29 @@ class Engine:
         self._prefilled = 0
         self._breaks = ()
 
-    def generate(self, order: WorkOrder, on_token: OnToken) -> Generation:
+    def generate(
+        self, order: WorkOrder, on_token: OnToken, streamed: Sequence[int] = ()
+    ) -> Generation:
+        """Answer `order`; `streamed`: tokens an earlier attempt published, taken as given."""
         started = time.perf_counter()
         cache = self._enter_namespace(order.cache_namespace)
         tokens, boundary = tokenize_parts(self.llama, order.prompt)
-        prompt = _Prompt(tokens, _breaks(boundary, len(tokens) - 1))
+        # Streamed tokens are prefilled after the prompt, which ends a chunk as it would alone.
+        held = [*tokens, *streamed]
+        resumed_from = len(tokens) - 1 if streamed else None
+        prompt = _Prompt(held, _breaks(boundary, resumed_from, limit=len(held) - 1))
         cached, restore_ms = self._load_prefix(cache, prompt, started)
         prefill_started = time.perf_counter()
         self._prefill(cache, prompt, cached, prompt.limit)
         max_tokens = min(order.max_tokens, self.n_ctx - len(tokens))
-        decoded = self._decode(tokens, order, max_tokens, on_token)
+        decoded = self._decode(held, order, max_tokens, on_token, streamed)
         return Generation(
             result=JobResult(text=decoded.text, finish_reason=decoded.finish_reason),
             usage=Usage(
                 prompt_tokens=len(tokens),
-                cached_tokens=cached,
+                cached_tokens=min(cached, len(tokens)),
                 completion_tokens=decoded.count,
+                resumed_tokens=len(streamed),
             ),
             timings=decoded.timings(started, prefill_started, restore_ms),
             prefix_tokens=boundary,
@@ -169,7 +177,7 @@ class Engine:
         (tokens restored, tokens held): fewer than `target` only when `should_yield` stopped it.
         """
         cache = self._enter_namespace(namespace)
-        prompt = _Prompt(tokens, _breaks(target, len(tokens) - 1))
+        prompt = _Prompt(tokens, _breaks(target, limit=len(tokens) - 1))
         cached, _ = self._load_prefix(cache, prompt, time.perf_counter())
         cached = min(cached, target)
         reached = self._prefill(cache, prompt, cached, target, should_yield)
@@ -293,29 +301,46 @@ class Engine:
         return {p for p in points if start < p <= end and p >= self._min_snapshot_tokens}
 
     def _decode(
-        self, prompt: list[int], order: WorkOrder, max_tokens: int, on_token: OnToken
+        self,
+        prompt: list[int],
+        order: WorkOrder,
+        max_tokens: int,
+        on_token: OnToken,
+        streamed: Sequence[int],
     ) -> _Decoded:
-        """Sample after `prompt` (memory holds all of it but the last token)."""
+        """Sample after `prompt` (memory holds all of it but the last token), whose tail is
+        `streamed`: already published, so only fed to the text stream."""
         llama = self.llama
         llama.set_seed(order.seed)
+        stream = TextStream(stop=order.stop)
+        decoded = _Decoded(count=len(streamed))
+        for token in streamed:
+            stream.feed(llama.detokenize([token]))
+        if stream.stopped or decoded.count >= max_tokens:  # the earlier attempt got that far
+            decoded.finish_reason = "stop" if stream.stopped else "length"
+            return self._end(stream, decoded, on_token)
         if self.speculator is None or not drafts(order.speculation, order.temperature):
             tokens = llama.generate(
                 prompt[-1:], temp=order.temperature, top_p=order.top_p, reset=False
             )
             try:
-                return self._consume(tokens, order, max_tokens, on_token)
+                return self._consume(tokens, stream, decoded, max_tokens, on_token)
             finally:
                 tokens.close()
-        with self.speculator.decode(llama, prompt, order, max_tokens) as run:
-            decoded = self._consume(iter(run), order, max_tokens, on_token)
+        left = max_tokens - decoded.count
+        with self.speculator.decode(llama, prompt, order, left) as run:
+            decoded = self._consume(iter(run), stream, decoded, max_tokens, on_token)
         decoded.speculation = run.report()
         return decoded
 
     def _consume(
-        self, tokens: Iterator[int], order: WorkOrder, max_tokens: int, on_token: OnToken
+        self,
+        tokens: Iterator[int],
+        stream: TextStream,
+        decoded: _Decoded,
+        max_tokens: int,
+        on_token: OnToken,
     ) -> _Decoded:
-        stream = TextStream(stop=order.stop)
-        decoded = _Decoded()
         for token in tokens:
             decoded.tick()
             if llama_cpp.llama_vocab_is_eog(self._vocab, token):
@@ -323,7 +348,7 @@ class Engine:
                 break
             decoded.count += 1
             piece = stream.feed(self.llama.detokenize([token]))
-            if on_token(decoded.count - 1, piece):
+            if on_token(token, piece):
                 decoded.finish_reason = "cancelled"
                 break
             if stream.stopped:
@@ -331,9 +356,13 @@ class Engine:
                 break
             if decoded.count >= max_tokens:
                 break
+        return self._end(stream, decoded, on_token)
+
+    @staticmethod
+    def _end(stream: TextStream, decoded: _Decoded, on_token: OnToken) -> _Decoded:
         tail = stream.flush()
         if tail:
-            on_token(decoded.count, tail)
+            on_token(None, tail)
         decoded.text = stream.text
         return decoded
 

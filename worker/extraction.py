@@ -3,7 +3,8 @@
 The prefix (instructions + document) is restored or prefilled once like any job's, through the
 engine (so it is cached and reused); the questions then fork from it and decode together
 (`worker.multi_sequence`). Each token goes out tagged with its question, and each answer as an
-`answer` event the moment it completes.
+`answer` event the moment it completes. A re-run after a worker died keeps the answers and
+tokens its earlier attempt streamed (worker/resume.py) and decodes only the rest.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from shared.schemas import (
 from worker import multi_sequence
 from worker.engine import Engine
 from worker.multi_sequence import Question
+from worker.resume import NOTHING, Streamed
 from worker.speculation import drafting_report, drafts
 from worker.text_stream import TextStream
 from worker.token_publisher import TokenPublisher
@@ -50,17 +52,38 @@ class _Answering:
     cached: int
     # Answers' times count from when the questions started; jobs' from when the job did.
     offset_ms: float
+    streamed: Streamed
     streams: list[TextStream] = field(init=False)
-    answers: dict[str, Answer] = field(default_factory=dict)
+    answers: dict[str, Answer] = field(init=False)
     cancelled: bool = False
 
     def __post_init__(self) -> None:
         self.streams = [TextStream(stop=self.order.stop) for _ in self.order.questions]
+        self.answers = dict(self.streamed.answers)
+        detokenize = self.engine.llama.detokenize
+        for stream, question in zip(self.streams, self.order.questions, strict=True):
+            for token in self.streamed.of(question.id):
+                stream.feed(detokenize([token]))  # published already: rebuild the text only
+
+    def open_questions(self) -> list[int]:
+        """Questions still to decode; those the earlier attempt took to the end end now."""
+        open_ = []
+        for index, question in enumerate(self.order.questions):
+            if question.id in self.answers:
+                continue
+            if self.streams[index].stopped or self.budget(index) <= 0:
+                self.on_answer(index, multi_sequence.Answer([], "length", None, None))
+            else:
+                open_.append(index)
+        return open_
+
+    def budget(self, index: int) -> int:
+        return self.order.max_tokens - len(self.streamed.of(self.order.questions[index].id))
 
     def on_token(self, index: int, token: int) -> bool:
         stream = self.streams[index]
         piece = stream.feed(self.engine.llama.detokenize([token]))
-        if self.publisher.token(piece, question=self.order.questions[index].id):
+        if self.publisher.token(token, piece, question=self.order.questions[index].id):
             self.cancelled = True
         return self.cancelled or stream.stopped
 
@@ -69,19 +92,21 @@ class _Answering:
         tail = stream.flush()
         question = self.order.questions[index].id
         if tail:
-            self.publisher.token(tail, question=question)
+            self.publisher.token(None, tail, question=question)
         finish: FinishReason = answer.finish_reason
         if self.cancelled:
             finish = "cancelled"
         elif stream.stopped:
             finish = "stop"
+        resumed = len(self.streamed.of(question))
         view = Answer(
             text=stream.text,
             finish_reason=finish,
             usage=Usage(
                 prompt_tokens=self.prompt_tokens[index],
                 cached_tokens=self.cached,
-                completion_tokens=len(answer.tokens),
+                completion_tokens=resumed + len(answer.tokens),
+                resumed_tokens=resumed,
             ),
             timings=Timings(
                 ttft_ms=None if answer.ttft_ms is None else answer.ttft_ms + self.offset_ms,
@@ -92,7 +117,9 @@ class _Answering:
         self.publisher.answer(question, view)
 
 
-def extract(engine: Engine, order: ExtractOrder, publisher: TokenPublisher) -> Extracted:
+def extract(
+    engine: Engine, order: ExtractOrder, publisher: TokenPublisher, streamed: Streamed = NOTHING
+) -> Extracted:
     started = time.perf_counter()
     llama = engine.llama
     prefix, tails = document_prompts(llama, order.document, [q.question for q in order.questions])
@@ -100,31 +127,9 @@ def extract(engine: Engine, order: ExtractOrder, publisher: TokenPublisher) -> E
     prefilled = time.perf_counter()
     prompt_tokens = [len(prefix) + len(t) for t in tails]
     offset_ms = (prefilled - started) * 1000
-    answering = _Answering(engine, order, publisher, prompt_tokens, cached, offset_ms)
-    questions = [
-        Question(
-            tokens=tail,
-            max_tokens=order.max_tokens,
-            temperature=order.temperature,
-            top_p=order.top_p,
-            seed=(order.seed + i) % 2**32,
-        )
-        for i, tail in enumerate(tails)
-    ]
-    with contextlib.ExitStack() as stack:
-        drafting = None
-        if engine.speculator is not None and drafts(order.speculation, order.temperature):
-            prompts = [prefix + tail for tail in tails]
-            drafting = stack.enter_context(engine.speculator.drafting(prompts, order.speculation))
-        multi_sequence.answer_questions(
-            llama,
-            questions,
-            engine.chunk_tokens,
-            answering.on_token,
-            on_answer=answering.on_answer,
-            drafting=drafting,
-        )
-    report = None if drafting is None else drafting_report(order.speculation, drafting)
+    answering = _Answering(engine, order, publisher, prompt_tokens, cached, offset_ms, streamed)
+    open_ = answering.open_questions()
+    report = _decode(engine, order, answering, prefix, tails, open_) if open_ else None
     ids = [q.id for q in order.questions]
     answers = {i: answering.answers[i] for i in ids}
     result = ExtractionResult(
@@ -135,7 +140,44 @@ def extract(engine: Engine, order: ExtractOrder, publisher: TokenPublisher) -> E
         prompt_tokens=len(prefix) + sum(len(t) for t in tails),
         cached_tokens=cached,
         completion_tokens=sum(a.usage.completion_tokens for a in answers.values()),
+        resumed_tokens=streamed.resumed_tokens,
     )
     first = min((a.timings.ttft_ms for a in answers.values() if a.timings.ttft_ms), default=None)
     timings = Timings(prefill_ms=(prefilled - started) * 1000, ttft_ms=first)
     return Extracted(result, usage, timings, len(prefix), report)
+
+
+def _decode(
+    engine: Engine,
+    order: ExtractOrder,
+    answering: _Answering,
+    prefix: list[int],
+    tails: list[list[int]],
+    open_: list[int],
+) -> SpeculationReport | None:
+    """Decode the open questions together; their streamed tokens are prefilled after them."""
+    tails = [[*tails[i], *answering.streamed.of(order.questions[i].id)] for i in open_]
+    questions = [
+        Question(
+            tokens=tail,
+            max_tokens=answering.budget(i),
+            temperature=order.temperature,
+            top_p=order.top_p,
+            seed=(order.seed + i) % 2**32,
+        )
+        for i, tail in zip(open_, tails, strict=True)
+    ]
+    with contextlib.ExitStack() as stack:
+        drafting = None
+        if engine.speculator is not None and drafts(order.speculation, order.temperature):
+            prompts = [prefix + tail for tail in tails]
+            drafting = stack.enter_context(engine.speculator.drafting(prompts, order.speculation))
+        multi_sequence.answer_questions(
+            engine.llama,
+            questions,
+            engine.chunk_tokens,
+            lambda j, token: answering.on_token(open_[j], token),
+            on_answer=lambda j, answer: answering.on_answer(open_[j], answer),
+            drafting=drafting,
+        )
+    return None if drafting is None else drafting_report(order.speculation, drafting)

@@ -51,8 +51,8 @@ def drafts(mode: Speculation, temperature: float) -> bool:
 
     `auto` drafts for greedy requests only: greedy output is the same either way
     (worker/near_tie.py), while a sampled request's tokens depend on which steps drafted, and
-    under `auto` that depends on timing: a seed would no longer reproduce its text, nor would
-    a job re-run after a worker crash repeat the tokens already streamed. `on` drafts anyway.
+    under `auto` that depends on timing: a seed would no longer reproduce its text. `on`
+    drafts anyway.
     """
     return mode == "on" or (mode == "auto" and temperature <= 0)
 

@@ -35,11 +35,13 @@ from shared.submission import queue
 from shared.warm_runs import WarmRuns
 from worker.engine import Engine, Generation
 from worker.extraction import Extracted, extract
+from worker.resume import NOTHING, Streamed, streamed
 from worker.token_publisher import TokenPublisher
 
 log = logging.getLogger(__name__)
 
 Outcome = TypeVar("Outcome")
+Work = Callable[[str, TokenPublisher, Streamed], Outcome]
 
 
 class Runtime:
@@ -64,7 +66,7 @@ class Runtime:
 
     def run(self, job_id: str) -> None:
         """A generation job: one prompt, one answer."""
-        outcome = self._execute(job_id, lambda publisher: self._generate(job_id, publisher))
+        outcome = self._execute(job_id, self._generate)
         if outcome is None:
             return
         order, generation = outcome
@@ -84,7 +86,7 @@ class Runtime:
 
     def extract(self, job_id: str) -> None:
         """An extraction job: many questions about one document, decoded together."""
-        outcome = self._execute(job_id, lambda publisher: self._extract(job_id, publisher))
+        outcome = self._execute(job_id, self._extract)
         if outcome is None:
             return
         order, done = outcome
@@ -94,25 +96,42 @@ class Runtime:
             order.document, order.cache_namespace, done.usage, done.prefix_tokens
         )
 
-    def _generate(self, job_id: str, publisher: TokenPublisher) -> tuple[WorkOrder, Generation]:
+    def _generate(
+        self, job_id: str, publisher: TokenPublisher, streamed: Streamed
+    ) -> tuple[WorkOrder, Generation]:
         order = self.store.order(job_id, WorkOrder)
-        return order, self.engine.generate(order, lambda _i, text: publisher.token(text))
+        generation = self.engine.generate(order, publisher.token, streamed.of(None))
+        return order, generation
 
-    def _extract(self, job_id: str, publisher: TokenPublisher) -> tuple[ExtractOrder, Extracted]:
+    def _extract(
+        self, job_id: str, publisher: TokenPublisher, streamed: Streamed
+    ) -> tuple[ExtractOrder, Extracted]:
         order = self.store.order(job_id, ExtractOrder)
-        return order, extract(self.engine, order, publisher)
+        return order, extract(self.engine, order, publisher, streamed)
 
-    def _execute(self, job_id: str, work: Callable[[TokenPublisher], Outcome]) -> Outcome | None:
+    def _execute(self, job_id: str, work: Work[Outcome]) -> Outcome | None:
         """Start the job and run `work`; a failure fails the job, never the worker."""
-        if not self.store.start(job_id):
+        attempt = self.store.start(job_id)
+        if not attempt:
             log.info("job %s was cancelled or finished before it started; skipping", job_id)
             return None
         try:
-            with TokenPublisher(self.store, job_id, self._stream_interval_s) as publisher:
-                return work(publisher)
+            streamed = self._streamed(job_id) if attempt > 1 else NOTHING
+            interval_s = self._stream_interval_s
+            with TokenPublisher(self.store, job_id, interval_s, streamed.next_index) as publisher:
+                return work(job_id, publisher, streamed)
         except Exception as exc:
             self._fail(job_id, exc)
             return None
+
+    def _streamed(self, job_id: str) -> Streamed:
+        """What the job's earlier attempts published, to carry on from (worker/resume.py)."""
+        found = streamed(self.store.events(job_id))
+        if found is None:
+            log.info("job %s runs again from the start: its stream cannot be carried on", job_id)
+            return NOTHING
+        log.info("job %s carries on after %d streamed tokens", job_id, found.resumed_tokens)
+        return found
 
     def _fail(self, job_id: str, exc: Exception) -> None:
         log.exception("job %s failed", job_id)

@@ -3,7 +3,8 @@
 Events produced while a publish is in flight, or within `interval_s` of the last one, go out
 together in one script call and one pub/sub message: on a 2-core machine every wake-up of Redis,
 the API and the client takes CPU from decoding. Events are numbered in the order they are put,
-which a re-run of the job repeats, so none is published twice.
+from `first_index` (what earlier attempts of the job published, worker/resume.py); the script
+skips an index already published, so none is published twice.
 """
 
 from __future__ import annotations
@@ -20,21 +21,23 @@ log = logging.getLogger(__name__)
 
 
 class TokenPublisher:
-    def __init__(self, store: JobStore, job_id: str, interval_s: float) -> None:
+    def __init__(
+        self, store: JobStore, job_id: str, interval_s: float, first_index: int = 0
+    ) -> None:
         self._store = store
         self._job_id = job_id
         self._interval_s = interval_s
         self._pending: list[TokenEvent | AnswerEvent] = []
-        self._next = 0
+        self._next = first_index
         self._closed = False
         self._wake = threading.Condition()
         self.cancelled = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"publish-{job_id}", daemon=True)
         self._thread.start()
 
-    def token(self, text: str, question: str | None = None) -> bool:
-        """Queue a token; returns True once the job is known to be cancelled."""
-        return self._put(TokenEvent(index=self._next, text=text, question=question))
+    def token(self, token: int | None, text: str, question: str | None = None) -> bool:
+        """Queue a token's text; returns True once the job is known to be cancelled."""
+        return self._put(TokenEvent(index=self._next, text=text, question=question, token=token))
 
     def answer(self, question: str, answer: Answer) -> bool:
         return self._put(AnswerEvent(index=self._next, question=question, answer=answer))

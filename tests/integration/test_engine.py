@@ -12,7 +12,7 @@ from shared.schemas import JobRequest
 from shared.settings import Settings
 from shared.submission import work_order_for
 from tests.conftest import DATA_DIR
-from worker.engine import Engine
+from worker.engine import Engine, Generation
 
 DOC = "The warehouse in Lyon received 42 crates of pears on Monday and 17 on Tuesday. "
 
@@ -74,3 +74,48 @@ def test_chat_template_rendering_matches_llama_cpp(engine: Engine) -> None:
     reference = engine.llama.create_chat_completion(messages, max_tokens=12, temperature=0)
     assert ours == reference["choices"][0]["message"]["content"]  # type: ignore[index]
     assert prompt.text.endswith("assistant\n")
+
+
+Published = list[tuple[int | None, str]]
+
+
+def _generate(
+    engine: Engine, prompt: str, max_tokens: int, streamed: list[int]
+) -> tuple[Generation, Published]:
+    """A generation and what it published: (token id or None, text) per event."""
+    request = JobRequest(prompt=prompt, max_tokens=max_tokens, temperature=0)
+    order = work_order_for(engine.llama, request, n_ctx=engine.n_ctx, default_max_tokens=16)
+    events: Published = []
+
+    def publish(token: int | None, text: str) -> bool:
+        events.append((token, text))
+        return False
+
+    return engine.generate(order, publish, streamed), events
+
+
+def test_a_resumed_generation_decodes_only_after_the_streamed_tokens(engine: Engine) -> None:
+    prompt = DOC + "Write a short poem about pears:"
+    engine.forget()
+    cold, cold_events = _generate(engine, prompt, 16, [])
+    ids = [t for t, _ in cold_events if t is not None]
+    assert len(ids) == 16 and cold.result.finish_reason == "length"
+    engine.forget()
+    resumed, events = _generate(engine, prompt, 16, ids[:6])
+    # Only the rest is published; the text holds the streamed part, which is not sent again.
+    assert len([t for t, _ in events if t is not None]) == 10
+    streamed_text = "".join(text for _, text in cold_events[:6])
+    assert resumed.result.text.startswith(streamed_text)
+    assert resumed.result.text == streamed_text + "".join(text for _, text in events)
+    assert resumed.usage.resumed_tokens == 6 and resumed.usage.completion_tokens == 16
+    assert resumed.usage.prompt_tokens == cold.usage.prompt_tokens
+
+
+def test_a_resumed_generation_that_had_reached_its_end_decodes_nothing(engine: Engine) -> None:
+    prompt = DOC + "Write a short poem about pears:"
+    engine.forget()
+    cold, cold_events = _generate(engine, prompt, 8, [])
+    ids = [t for t, _ in cold_events if t is not None]
+    done, events = _generate(engine, prompt, 8, ids)
+    assert [t for t, _ in events if t is not None] == []
+    assert done.result == cold.result

@@ -15,7 +15,7 @@ import pytest
 from httpx_sse import connect_sse
 
 from tests.harness import Stack, settings_env
-from tests.integration.test_job_path import is_keepalive, submit, wait_status
+from tests.integration.test_job_path import first_tokens, is_keepalive, submit, wait_status
 
 INSTRUCTIONS = "Answer from the invoice only, in a few words."
 INVOICE = " ".join(
@@ -103,6 +103,27 @@ def test_answers_equal_one_question_jobs_and_stream_tagged(
 
 
 @pytest.mark.qwen
+def test_killed_worker_extraction_carries_on_from_its_stream(stack: Stack) -> None:
+    questions = ["Copy the whole invoice, line by line.", "Which product is on line 5?"]
+    job = extraction(stack, questions, max_tokens=120, temperature=0)
+    first_tokens(stack, job["id"], 8)
+    stack.kill("worker-1")
+    stack.start_worker("worker-2")
+    final = wait_status(stack, job["id"], {"finished", "failed"}, timeout_s=120)
+    assert final["status"] == "finished", final
+    assert final["attempts"] == 2
+    assert final["usage"]["resumed_tokens"] >= 8
+    seen = stream(stack, job["id"])
+    assert [data["index"] for event, data in seen if event != "done"] == list(range(len(seen) - 1))
+    answers = final["extraction"]["answers"]
+    for qid, answer in answers.items():
+        texts = [
+            data["text"] for event, data in seen if event == "token" and data["question"] == qid
+        ]
+        assert "".join(texts) == answer["text"]
+        assert sum(event == "answer" and data["question"] == qid for event, data in seen) == 1
+
+
 def test_questions_beyond_the_context_run_in_waves(stack_factory: Callable[..., Stack]) -> None:
     # ~330 document tokens; each question needs ~20 + 200: three do not fit in 768 at once.
     stack = stack_factory(model="qwen2.5-0.5b", n_ctx=768, cache=CACHE)

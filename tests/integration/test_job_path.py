@@ -186,10 +186,12 @@ def test_killed_worker_job_completes_on_another(stack: Stack) -> None:
     assert final["status"] == "finished", final
     assert final["attempts"] == 2
     assert final["usage"]["completion_tokens"] == 150
-    # The re-run repeats the same tokens (fixed seed); none is published twice.
+    # The re-run carries on from the streamed tokens; none is published twice.
+    assert final["usage"]["resumed_tokens"] >= 5
     tokens = [data for event, _, data in events(stack, job["id"]) if event == "token"]
     assert [t["index"] for t in tokens] == list(range(len(tokens)))
     assert "".join(t["text"] for t in tokens) == final["result"]["text"]
+    assert len([t for t in tokens if t["token"] is not None]) == 150
 
 
 def test_rq_info_shows_granarys_queues_and_workers(stack: Stack) -> None:
