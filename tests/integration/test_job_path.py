@@ -5,11 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
+import pytest
 from httpx_sse import ServerSentEvent, connect_sse
 
 from tests.harness import Stack
@@ -177,7 +179,15 @@ def test_health_and_readiness(stack: Stack) -> None:
     assert ready.status_code == 200 and ready.json()["workers"] == 1
 
 
-def test_killed_worker_job_completes_on_another(stack: Stack) -> None:
+# Drafting without tie replays decides by timing: its re-run could not repeat the first run.
+SPECULATING = {"jobs": {"speculation": "auto"}, "worker": {"speculation_exact": False}}
+
+
+@pytest.mark.parametrize("overrides", [{}, SPECULATING], ids=["plain", "speculating"])
+def test_killed_worker_job_completes_on_another(
+    stack_factory: Callable[..., Stack], overrides: dict[str, Any]
+) -> None:
+    stack = stack_factory(**overrides)
     job = submit(stack, {**COUNTING, "max_tokens": 150})
     first_tokens(stack, job["id"], 5)
     stack.start_worker("worker-2")
