@@ -45,7 +45,7 @@ class Streamed:
 NOTHING = Streamed()
 
 
-def streamed(events: list[JobEvent]) -> Streamed | None:
+def read_back(events: list[JobEvent]) -> Streamed | None:
     """Read a job's published events back; None when they cannot be carried on from."""
     tokens: dict[str | None, list[int]] = {}
     answers: dict[str, Answer] = {}

@@ -35,7 +35,7 @@ from shared.submission import queue
 from shared.warm_runs import WarmRuns
 from worker.engine import Engine, Generation
 from worker.extraction import Extracted, extract
-from worker.resume import NOTHING, Streamed, streamed
+from worker.resume import NOTHING, Streamed, read_back
 from worker.token_publisher import TokenPublisher
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class Runtime:
 
     def _streamed(self, job_id: str) -> Streamed:
         """What the job's earlier attempts published, to carry on from (worker/resume.py)."""
-        found = streamed(self.store.events(job_id))
+        found = read_back(self.store.events(job_id))
         if found is None:
             log.info("job %s runs again from the start: its stream cannot be carried on", job_id)
             return NOTHING
