@@ -134,6 +134,8 @@ def _run(settings: Settings, invariant_site: Path | None) -> Measured:
         env["GGML_CPU_TILED_MM"] = "0"
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
     data = json.loads(out)
+    if invariant_site is not None and not data["library"].startswith(str(invariant_site)):
+        raise RuntimeError(f"measured {data['library']}, not the wheel in {invariant_site}")
     return Measured(data["prefill_tok_s"], [RowCost(**c) for c in data["costs"]])
 
 
@@ -202,7 +204,7 @@ def main() -> None:
     if args.no_repack:
         _without_repack()
     settings = Settings(model=args.model, data_dir=args.data_dir, n_threads=args.threads)
-    print(json.dumps(asdict(measure(settings))))
+    print(json.dumps(asdict(measure(settings)) | {"library": llama_cpp.__file__}))
 
 
 if __name__ == "__main__":
