@@ -32,7 +32,7 @@ from llama_cpp import Llama
 
 from shared.llm import load_llama
 from shared.settings import Settings
-from worker.multi_sequence import fill_batch, llama_batch
+from worker.decode_batch import fill_batch, llama_batch
 
 ROWS = (1, 2, 3, 4, 8, 12, 16)
 PROMPT_TOKENS = 700

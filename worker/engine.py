@@ -31,6 +31,7 @@ from shared.schemas import (
 )
 from worker import kv_state
 from worker.prefix_saver import PrefixSaver
+from worker.resume import text_stream
 from worker.speculation import Speculator, drafts
 from worker.text_stream import TextStream
 
@@ -312,10 +313,8 @@ class Engine:
         `streamed`: already published, so only fed to the text stream."""
         llama = self.llama
         llama.set_seed(order.seed)
-        stream = TextStream(stop=order.stop)
+        stream = text_stream(llama, order.stop, streamed)
         decoded = _Decoded(count=len(streamed))
-        for token in streamed:
-            stream.feed(llama.detokenize([token]))
         if stream.stopped or decoded.count >= max_tokens:  # the earlier attempt got that far
             decoded.finish_reason = "stop" if stream.stopped else "length"
             return self._end(stream, decoded, on_token)

@@ -26,7 +26,7 @@ from shared.schemas import (
 from worker import multi_sequence
 from worker.engine import Engine
 from worker.multi_sequence import Question
-from worker.resume import NOTHING, Streamed
+from worker.resume import NOTHING, Streamed, text_stream
 from worker.speculation import drafting_report, drafts
 from worker.text_stream import TextStream
 from worker.token_publisher import TokenPublisher
@@ -58,12 +58,11 @@ class _Answering:
     cancelled: bool = False
 
     def __post_init__(self) -> None:
-        self.streams = [TextStream(stop=self.order.stop) for _ in self.order.questions]
+        llama, stop = self.engine.llama, self.order.stop
+        self.streams = [
+            text_stream(llama, stop, self.streamed.of(q.id)) for q in self.order.questions
+        ]
         self.answers = dict(self.streamed.answers)
-        detokenize = self.engine.llama.detokenize
-        for stream, question in zip(self.streams, self.order.questions, strict=True):
-            for token in self.streamed.of(question.id):
-                stream.feed(detokenize([token]))  # published already: rebuild the text only
 
     def open_questions(self) -> list[int]:
         """Questions still to decode; those the earlier attempt took to the end end now."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -25,6 +25,7 @@ from llama_cpp import _internals as internals
 from shared.errors import ContextOverflow, GranaryError
 from shared.llm import load_llama, quiet_native_logs
 from shared.settings import Settings
+from worker.decode_batch import fill_batch, llama_batch
 from worker.draft_sources import DraftSource
 from worker.near_tie import TIE_MARGIN, is_near_tie
 from worker.speculative import StepPlanner
@@ -496,25 +497,3 @@ def sample(logits: Logits, temperature: float, top_p: float, rng: np.random.Gene
     keep = min(int(np.searchsorted(cumulative, top_p)) + 1, len(order))
     head = probs[order[:keep]]
     return int(order[rng.choice(keep, p=head / head.sum())])
-
-
-@contextlib.contextmanager
-def llama_batch(capacity: int) -> Iterator[llama_cpp.llama_batch]:
-    batch = llama_cpp.llama_batch_init(capacity, 0, 1)
-    try:
-        yield batch
-    finally:
-        llama_cpp.llama_batch_free(batch)
-
-
-def fill_batch(
-    batch: llama_cpp.llama_batch, pieces: Sequence[tuple[int, int, int]], logits: bool
-) -> None:
-    """Put (token, position, sequence) triples into `batch`, asking logits for all or none."""
-    for i, (token, pos, seq) in enumerate(pieces):
-        batch.token[i] = token
-        batch.pos[i] = pos  # type: ignore[call-overload]  # stub says array of arrays
-        batch.n_seq_id[i] = 1
-        batch.seq_id[i][0] = seq
-        batch.logits[i] = logits
-    batch.n_tokens = len(pieces)

@@ -15,12 +15,15 @@ start, their events deduplicated by index as before.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import orjson
+from llama_cpp import Llama
 
 from shared.job_store import JobEvent
 from shared.schemas import Answer, AnswerEvent, TokenEvent
+from worker.text_stream import TextStream
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,3 +73,12 @@ def read_back(events: list[JobEvent]) -> Streamed | None:
     if ended - set(answers):
         return None
     return Streamed(next_index, tokens, answers)
+
+
+def text_stream(llama: Llama, stop: list[str], streamed: Sequence[int]) -> TextStream:
+    """An answer's text stream as the earlier attempt left it: its tokens fed, their text
+    (published already) not released again."""
+    stream = TextStream(stop=stop)
+    for token in streamed:
+        stream.feed(llama.detokenize([token]))
+    return stream

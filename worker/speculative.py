@@ -39,6 +39,7 @@ import numpy as np
 import numpy.typing as npt
 from llama_cpp import Llama
 
+from worker.decode_batch import fill_batch
 from worker.draft_sources import DraftSource
 from worker.near_tie import TIE_MARGIN, is_near_tie
 
@@ -385,15 +386,8 @@ class SpeculativeDecoder:
         batch = self._batch
         if batch is None:
             raise RuntimeError("SpeculativeDecoder is closed")
-        batch.n_tokens = len(seq)
-        for i, token in enumerate(seq):
-            batch.token[i] = token
-            # llama_cpp types `pos` as an array of arrays; it is one position per token.
-            batch.pos[i] = start + i  # type: ignore[call-overload]
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = SEQ
-            # Logits for every verified position, and nowhere else.
-            batch.logits[i] = 1
+        # Logits for every verified position, and nowhere else.
+        fill_batch(batch, [(token, start + i, SEQ) for i, token in enumerate(seq)], logits=True)
         status = llama_cpp.llama_decode(self.llama.ctx, batch)
         if status != 0:
             raise RuntimeError(f"llama_decode failed with status {status}")
