@@ -1,6 +1,7 @@
 """Fixtures: a real Redis, real processes (API, workers) and the real SmolLM2 model.
 
-Redis: 127.0.0.1:6379 when it answers (this machine kind runs one), else a private server
+Redis: the server named by GRANARY_TEST_REDIS (e.g. redis://127.0.0.1:6390, for suites run side
+by side), else 127.0.0.1:6379 when it answers (this machine kind runs one), else a private server
 started here. Each test stack gets its own Redis database, so stacks never see each other's
 jobs or workers.
 """
@@ -8,6 +9,7 @@ jobs or workers.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,6 +28,9 @@ _databases = itertools.count()
 
 @pytest.fixture(scope="session")
 def redis_base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if os.environ.get("GRANARY_TEST_REDIS"):
+        yield os.environ["GRANARY_TEST_REDIS"]
+        return
     if answers(DEFAULT_REDIS_URL):
         yield "redis://127.0.0.1:6379"
         return
