@@ -34,7 +34,7 @@ bench: $(STAMP) wheel-invariant
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy api worker warmer shared
+	$(BIN)/mypy api worker warmer shared cli
 
 install: $(STAMP)
 

@@ -9,10 +9,11 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis as AsyncRedis
 
-from api import batches, cache, errors, extractions, health, jobs, metrics, openai_api, warm
+from api import errors
+from api.batches import Batches
 from api.event_hub import EventHub
+from api.routes import ROUTERS
 from api.state import AppState
-from shared.batches import Batches
 from shared.job_store import JobStore
 from shared.llm import load_llama
 from shared.prefix_cache import open_cache
@@ -54,14 +55,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="granary", version="0.1.0", lifespan=lifespan)
     errors.install(app)
-    app.include_router(health.router)
-    app.include_router(jobs.router)
-    app.include_router(extractions.router)
-    app.include_router(batches.router)
-    app.include_router(cache.router)
-    app.include_router(openai_api.router)
-    app.include_router(warm.router)
-    app.include_router(metrics.router)
+    for router in ROUTERS:
+        app.include_router(router)
     return app
 
 

@@ -10,9 +10,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from fastapi import Request
-
-from api.state import state_of
 from shared.errors import Unauthorized
 
 
@@ -20,21 +17,14 @@ def owner_id(key: str) -> str:
     return hashlib.blake2b(key.encode(), digest_size=8, person=b"granary-key").hexdigest()
 
 
-def authenticate(request: Request) -> None:
-    """FastAPI dependency for every /v1 router: sets `request.state.owner`."""
-    keys = state_of(request).settings.api_keys
-    request.state.owner = None
+def caller(authorization: str, keys: list[str]) -> str | None:
+    """The owner id of the key in an `Authorization` header; None when no keys are set."""
     if not keys:
-        return
-    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+        return None
+    scheme, _, presented = authorization.partition(" ")
     if scheme.lower() != "bearer" or not presented:
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
     matches = [hmac.compare_digest(presented.encode(), key.encode()) for key in keys]
     if not any(matches):
         raise Unauthorized("invalid API key")
-    request.state.owner = owner_id(presented)
-
-
-def owner_of(request: Request) -> str | None:
-    owner: str | None = getattr(request.state, "owner", None)
-    return owner
+    return owner_id(presented)

@@ -19,9 +19,6 @@ from shared.job_store import JobEvent
 
 log = logging.getLogger(__name__)
 
-# Subscribed for the hub's whole life, so the connection exists before any listener does.
-_HUB_CHANNEL = f"{keys.PREFIX}:api:hub"
-
 
 class EventHub:
     def __init__(self, redis: Redis) -> None:
@@ -31,7 +28,7 @@ class EventHub:
         self._reader: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        await self._pubsub.subscribe(_HUB_CHANNEL)
+        await self._pubsub.subscribe(keys.api_hub())
         self._reader = asyncio.create_task(self._read(), name="event-hub")
 
     async def stop(self) -> None:

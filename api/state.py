@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastapi import Request
 from llama_cpp import Llama
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 
+from api.batches import Batches
 from api.event_hub import EventHub
-from shared.batches import Batches
 from shared.job_store import JobStore
 from shared.prefix_cache import PrefixCache
 from shared.settings import Settings
@@ -30,8 +29,3 @@ class AppState:
     batches: Batches
     hub: EventHub
     cache: PrefixCache | None
-
-
-def state_of(request: Request) -> AppState:
-    state: AppState = request.app.state.granary
-    return state

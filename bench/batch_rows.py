@@ -173,7 +173,7 @@ one batch of n rows — the shape in which speculative decoding verifies a draft
 (and extraction decodes n questions). "Drift" is the largest logit difference between a row
 computed in the batch and the same token decoded alone; with `worker.speculation_exact`,
 greedy verification decides a row again alone when its top two logits are closer than
-`TIE_MARGIN` (worker/near_tie.py). "Pass" is the median time of one decode call of n rows with
+`TIE_MARGIN` (worker/speculation/near_tie.py). "Pass" is the median time of one decode call of n rows with
 logits for all of them. "Bound" is rows / (pass / one row): the speed-up of a draft of n - 1
 tokens that is accepted whole, the most speculation can give at that length.
 

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 PREFIX = "granary"
 
-# Queues in priority order: a worker always drains the earlier ones first.
-QUEUES: tuple[str, ...] = ("interactive", "batch", "warm")
-
 
 def job(job_id: str) -> str:
     """Hash holding the job record (status, request, result, usage, timings)."""
@@ -24,6 +21,12 @@ def job_events(job_id: str) -> str:
 def job_channel(job_id: str) -> str:
     """Pub/sub channel carrying the same events live."""
     return f"{PREFIX}:job:{job_id}:live"
+
+
+def api_hub() -> str:
+    """Channel each API process's event hub subscribes to for its whole life, so its pub/sub
+    connection exists before any listener does (nothing is published on it)."""
+    return f"{PREFIX}:api:hub"
 
 
 def job_cancel(job_id: str) -> str:

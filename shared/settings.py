@@ -48,8 +48,8 @@ class WorkerSettings(BaseModel):
     draft_archive_max_bytes: int = Field(64 * 1024**2, ge=1024**2)
     # True (default): greedy output with drafting is plain decoding's, so a job's answer does
     # not depend on whether or when it drafted: a verified row whose top two logits nearly
-    # tie is decided again one token at a time (worker/near_tie.py). On 2-core CPUs those
-    # replays cost about what drafting saves (docs/BENCHMARKS.md). False takes such rows as
+    # tie is decided again one token at a time (worker/speculation/near_tie.py). On 2-core CPUs
+    # those replays cost about what drafting saves (docs/BENCHMARKS.md). False takes such rows as
     # the batch computed them: copy-heavy answers decode much faster, but greedy output can
     # part from plain decoding where two tokens nearly tie.
     speculation_exact: bool = True

@@ -10,13 +10,12 @@ import uuid
 
 from llama_cpp import Llama
 from redis import Redis
-from rq import Callback, Queue, Retry
 
 from shared import keys
-from shared.codec import JsonSerializer
 from shared.errors import ContextOverflow, InvalidRequest
 from shared.job_store import JobStore
 from shared.llm import document_prompts, render_prompt, tokenize
+from shared.queues import RUN_EXTRACT, RUN_JOB, enqueue, queue
 from shared.schemas import (
     DocumentFields,
     ExtractionRequest,
@@ -30,15 +29,7 @@ from shared.schemas import (
 )
 from shared.settings import Settings
 
-# rq imports the job function by name, so the API never imports the worker (or its model).
-RUN_JOB = "worker.tasks.run_job"
-RUN_EXTRACT = "worker.tasks.run_extract"
-ON_FAILURE = Callback("worker.tasks.on_job_failure")
 DOCUMENT_FIELDS = set(DocumentFields.model_fields)
-
-
-def queue(redis: Redis, name: str) -> Queue:
-    return Queue(name, connection=redis, serializer=JsonSerializer)
 
 
 def work_order_for(
@@ -143,7 +134,8 @@ class Submitter:
             if existing is not None:
                 self._store.delete(job_id)
                 return self._store.get(existing)
-        self._enqueue(job_id, queue_name, RUN_EXTRACT if kind == "extract" else RUN_JOB)
+        function = RUN_EXTRACT if kind == "extract" else RUN_JOB
+        enqueue(self._redis, queue_name, function, job_id, self._settings)
         return view
 
     def _order(self, request: JobRequest | ExtractionRequest) -> WorkOrder | ExtractOrder:
@@ -192,16 +184,3 @@ class Submitter:
             return None
         existing: bytes | None = self._redis.get(redis_key)  # type: ignore[assignment]
         return existing.decode() if existing is not None else None
-
-    def _enqueue(self, job_id: str, queue_name: str, function: str) -> None:
-        worker = self._settings.worker
-        queue(self._redis, queue_name).enqueue(
-            function,
-            job_id,
-            job_id=job_id,
-            job_timeout=worker.job_timeout_s,
-            result_ttl=self._settings.jobs.result_ttl_s,
-            failure_ttl=self._settings.jobs.result_ttl_s,
-            retry=Retry(max=worker.max_retries) if worker.max_retries else None,
-            on_failure=ON_FAILURE,
-        )

@@ -14,18 +14,15 @@ from collections import Counter
 
 from pydantic import BaseModel
 from redis import Redis
-from rq import Retry
 
 from shared import codec, keys
 from shared.errors import JobNotFound
 from shared.job_store import JobStore
 from shared.prefix_usage import prefix_id
+from shared.queues import RUN_WARM, WARM, enqueue
 from shared.schemas import JobStatus, JobView, WarmItem, WarmOrder, WarmTrigger
 from shared.settings import Settings
-from shared.submission import ON_FAILURE, queue
 
-RUN_WARM = "worker.tasks.run_warm"
-WARM_QUEUE = "warm"
 MAX_RUNS = 100
 
 
@@ -128,7 +125,7 @@ class WarmRuns:
                 return WarmRunJob(job_id=existing, name=item.name, joined=True)
             self._redis.delete(pending_key)  # its job ended without clearing it
         order = WarmOrder(item=item, cache_namespace=namespace, run_id=run_id)
-        self._store.create(job_id, WARM_QUEUE, order, owner, kind="warm")
+        self._store.create(job_id, WARM, order, owner, kind="warm")
         self.enqueue(job_id)
         return WarmRunJob(job_id=job_id, name=item.name)
 
@@ -144,17 +141,14 @@ class WarmRuns:
 
     def enqueue(self, job_id: str, *, resume: int = 0) -> None:
         """Put a warm job on the warm queue; a resumed one goes first and gets a fresh rq id."""
-        worker = self._settings.worker
-        queue(self._redis, WARM_QUEUE).enqueue(
+        enqueue(
+            self._redis,
+            WARM,
             RUN_WARM,
             job_id,
-            job_id=job_id if resume == 0 else f"{job_id}-{resume}",
+            self._settings,
+            rq_job_id=job_id if resume == 0 else f"{job_id}-{resume}",
             at_front=resume > 0,
-            job_timeout=worker.job_timeout_s,
-            result_ttl=self._settings.jobs.result_ttl_s,
-            failure_ttl=self._settings.jobs.result_ttl_s,
-            retry=Retry(max=worker.max_retries) if worker.max_retries else None,
-            on_failure=ON_FAILURE,
         )
 
     def done(self, item: WarmItem, namespace: str | None) -> None:

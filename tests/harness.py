@@ -56,7 +56,7 @@ class Stack:
     def _spawn(self, name: str, *command: str) -> subprocess.Popen[bytes]:
         log = (self.log_dir / f"{name}.log").open("wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", *command],
+            [sys.executable, "-m", "cli.main", *command],
             env=settings_env(self.settings),
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -17,8 +17,7 @@ from llama_cpp import Llama
 
 from shared.errors import CacheDisabled, ContextOverflow
 from shared.llm import render_warm, tokenize_parts
-from shared.prefix_cache import PrefixCache, restorable_tokens
-from shared.prefix_keys import common_prefix_len
+from shared.prefix_cache import PrefixCache, common_prefix_len, restorable_tokens
 from shared.schemas import (
     FinishReason,
     JobResult,

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import logging
 
-from shared.cache_counters import CounterPublisher
-from shared.fingerprint import model_fingerprint
 from shared.job_store import JobStore
 from shared.models import resolve_model
-from shared.prefix_cache import open_cache
+from shared.prefix_cache import CounterPublisher, model_fingerprint, open_cache
 from shared.redis_server import connect
 from shared.settings import Settings
 from shared.warm_runs import WarmRuns
 from worker import tasks
-from worker.draft_archive import DraftArchive
 from worker.engine import Engine, memory_is_truncatable
 from worker.multi_sequence import load_multi_sequence_llama
 from worker.prefix_saver import PrefixSaver
 from worker.speculation import Speculator
+from worker.speculation.archive import DraftArchive
 from worker.worker import GranaryWorker
 
 log = logging.getLogger(__name__)

@@ -26,9 +26,8 @@ from shared.errors import ContextOverflow, GranaryError
 from shared.llm import load_llama, quiet_native_logs
 from shared.settings import Settings
 from worker.decode_batch import fill_batch, llama_batch
-from worker.draft_sources import DraftSource
-from worker.near_tie import TIE_MARGIN, is_near_tie
-from worker.speculative import StepPlanner
+from worker.speculation.drafting import Drafting
+from worker.speculation.near_tie import TIE_MARGIN, is_near_tie
 
 PREFIX_SEQ = 0
 
@@ -78,51 +77,6 @@ class Question:
     def cells(self) -> int:
         """KV cells the question may occupy beyond the prefix."""
         return len(self.tokens) + self.max_tokens
-
-
-@dataclass
-class Drafting:
-    """Speculative decoding for questions decoded together.
-
-    One draft source per question (the prompt's and its own answer's n-grams) and one planner
-    for every step: a step's cost is the whole batch's, so its length and whether drafting pays
-    are decided for all questions at once.
-    """
-
-    sources: Sequence[DraftSource]
-    planner: StepPlanner
-    max_draft: int = 8
-    tie_margin: float = TIE_MARGIN
-    drafted: int = 0
-    accepted: int = 0
-    # Question -> the source's guess of its next token, on a step that drafts nothing.
-    guesses: dict[int, int] = field(default_factory=dict)
-
-    def plan(self) -> int:
-        return min(self.planner.plan(), self.max_draft)
-
-    def propose(self, question: int, limit: int) -> list[int]:
-        return self.sources[question].propose(limit)[:limit] if limit > 0 else []
-
-    def guess(self, question: int) -> None:
-        """Note what the source expects next, for the planner to score (no model work)."""
-        draft = self.sources[question].propose(1)
-        if draft:
-            self.guesses[question] = draft[0]
-
-    def extend(self, question: int, token: int) -> None:
-        guess = self.guesses.pop(question, None)
-        if guess is not None:
-            self.planner.guessed(guess == token)
-        self.sources[question].extend([token])
-
-    def record(
-        self, drafts: Sequence[Sequence[int]], accepted: int, emitted: int, replayed: bool
-    ) -> None:
-        drafted = sum(len(d) for d in drafts)
-        self.drafted += drafted
-        self.accepted += accepted
-        self.planner.record(drafted, accepted, emitted, replayed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,8 +324,9 @@ class _Run:
     def _step(self, batch: llama_cpp.llama_batch, live: list[_Stream]) -> None:
         """Decode each live sequence's next token, and its draft if any, in one batch.
 
-        A greedy row whose top two logits nearly tie is decided again alone (worker/near_tie.py),
-        after the others: that decode overwrites the batch's logits.
+        A greedy row whose top two logits nearly tie is decided again alone
+        (worker/speculation/near_tie.py), after the others: that decode overwrites the batch's
+        logits.
         """
         drafts = self._drafts(live)
         rows = [

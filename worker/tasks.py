@@ -14,10 +14,11 @@ from redis import Redis
 from rq.job import Job
 
 from shared import keys
-from shared.cache_counters import CounterPublisher
 from shared.job_metrics import record_job, record_speculation
 from shared.job_store import JobStore
+from shared.prefix_cache import CounterPublisher
 from shared.prefix_usage import PrefixUsage
+from shared.queues import QUEUES, queue
 from shared.schemas import (
     DocumentFields,
     ExtractionResult,
@@ -31,7 +32,6 @@ from shared.schemas import (
     WarmResult,
     WorkOrder,
 )
-from shared.submission import queue
 from shared.warm_runs import WarmRuns
 from worker.engine import Engine, Generation
 from worker.extraction import Extracted, extract
@@ -205,7 +205,7 @@ class Runtime:
 
     def _should_yield(self, job_id: str) -> bool:
         """Between chunks of warm prefill: is anyone waiting, or was the job cancelled?"""
-        waiting = any(queue(self._redis, name).count for name in keys.QUEUES[:-1])
+        waiting = any(queue(self._redis, name).count for name in QUEUES[:-1])
         return waiting or self.store.cancel_requested(job_id)
 
 

@@ -19,8 +19,8 @@ from rq import Queue, SimpleWorker
 from rq.job import Job
 from rq.worker import WorkerStatus
 
-from shared import keys
 from shared.codec import JsonSerializer
+from shared.queues import QUEUES, queue
 from shared.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class _Heartbeat:
 
 class GranaryWorker(SimpleWorker):
     def __init__(self, redis: Redis, settings: WorkerSettings, **kwargs: Any) -> None:
-        queues = [Queue(name, connection=redis, serializer=JsonSerializer) for name in keys.QUEUES]
+        queues = [queue(redis, name) for name in QUEUES]
         self._heartbeat_ttl_s = settings.heartbeat_ttl_s
         super().__init__(
             queues,

@@ -254,7 +254,7 @@ def test_extract_and_batch_commands(stack_factory: Callable[..., Stack], tmp_pat
     env = settings_env(stack.settings)
     doc = tmp_path / "invoice.txt"
     doc.write_text(INVOICE, encoding="utf-8")
-    cli = [sys.executable, "-m", "shared.cli"]
+    cli = [sys.executable, "-m", "cli.main"]
     extract = [*cli, "extract", str(doc), "--question", QUESTIONS[0], "--question", QUESTIONS[1]]
     done = subprocess.run(extract, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

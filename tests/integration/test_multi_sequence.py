@@ -23,18 +23,16 @@ from llama_cpp import Llama
 
 from shared.errors import ContextOverflow
 from shared.llm import load_llama, render_prompt, tokenize
-from shared.prefix_keys import common_prefix_len
+from shared.prefix_cache import common_prefix_len
 from shared.schemas import JobRequest
 from shared.settings import Settings
 from shared.submission import work_order_for
 from tests.conftest import DATA_DIR
 from worker import kv_state
-from worker.draft_sources import NgramLookup
 from worker.engine import Engine
 from worker.multi_sequence import (
     Answer,
     DoesNotFit,
-    Drafting,
     OnToken,
     Question,
     Unsupported,
@@ -44,7 +42,9 @@ from worker.multi_sequence import (
     plan_waves,
     sample,
 )
-from worker.speculative import FixedDraft
+from worker.speculation.decoder import FixedDraft
+from worker.speculation.drafting import Drafting
+from worker.speculation.sources import NgramLookup
 
 CHUNK = 64
 MAX_TOKENS = 16

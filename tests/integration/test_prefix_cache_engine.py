@@ -110,7 +110,7 @@ def test_a_restored_state_from_another_model_falls_back_to_prefill(
 
 
 def _blobs(cache: PrefixCache) -> Iterator[bytes]:
-    from shared.prefix_cache import decode_blob
+    from shared.prefix_cache.format import decode_blob
 
     store = cache._store
     for entry in store.scan(f"{cache.fingerprint}/blobs/"):

@@ -11,15 +11,15 @@ from llama_cpp import Llama
 from shared.llm import load_llama
 from shared.settings import Settings
 from tests.conftest import DATA_DIR
-from worker.draft_sources import NgramLookup
-from worker.speculation_control import SpeculationController
-from worker.speculative import (
+from worker.speculation.control import SpeculationController
+from worker.speculation.decoder import (
     FixedDraft,
     Sampling,
     SpeculativeDecoder,
     StepPlanner,
     supports_speculation,
 )
+from worker.speculation.sources import NgramLookup
 
 TEXT = (
     "The warehouse in Lyon received 42 crates of pears on Monday and 17 on Tuesday. "

@@ -31,7 +31,7 @@ def test_up_serves_a_job_and_stops_everything(
     settings = settings_factory(api={"port": free_port()})
     log = (tmp_path / "up.log").open("w+b")
     up = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", "up", "--workers", "1"],
+        [sys.executable, "-m", "cli.main", "up", "--workers", "1"],
         env=settings_env(settings),
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -160,7 +160,7 @@ def test_granary_warm_cli_then_every_decoding_mode_hits(
     stack = stack_factory(cache=CACHE)
     doc = tmp_path / "invoice.txt"
     doc.write_text(INVOICE, encoding="utf-8")
-    command = [sys.executable, "-m", "shared.cli", "warm", str(doc), "--instructions", INSTRUCTIONS]
+    command = [sys.executable, "-m", "cli.main", "warm", str(doc), "--instructions", INSTRUCTIONS]
     done = subprocess.run(
         command, env=settings_env(stack.settings), capture_output=True, text=True, timeout=300
     )

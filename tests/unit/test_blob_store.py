@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.blob_store import BlobStore, DirectoryBlobStore, MemoryBlobStore
+from shared.prefix_cache.blobs import BlobStore, DirectoryBlobStore, MemoryBlobStore
 
 
 @pytest.fixture(params=["directory", "memory"])

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from worker.draft_archive import ArchiveDrafts, DraftArchive
+from worker.speculation.archive import ArchiveDrafts, DraftArchive
 
 REPO = Path(__file__).resolve().parents[2]
 OUTPUT = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -42,7 +42,7 @@ def test_models_never_mix(tmp_path: Path) -> None:
 def test_shared_between_processes(tmp_path: Path) -> None:
     path = tmp_path / "a.db"
     reader = DraftArchive(path)
-    code = "import sys; from worker.draft_archive import DraftArchive;"
+    code = "import sys; from worker.speculation.archive import DraftArchive;"
     code += f"DraftArchive(sys.argv[1]).add('fp', {OUTPUT})"
     subprocess.run([sys.executable, "-c", code, str(path)], cwd=REPO, check=True)
     assert reader.propose("fp", [6, 7], 2) == [8, 9]
@@ -50,7 +50,7 @@ def test_shared_between_processes(tmp_path: Path) -> None:
 
 _BATCH_WRITER = """
 import sys
-from worker.draft_archive import DraftArchive
+from worker.speculation.archive import DraftArchive
 archive = DraftArchive(sys.argv[1], durable=False)
 base = int(sys.argv[2])
 for i in range(base, base + 40):
@@ -96,7 +96,7 @@ def test_files_stay_within_max_bytes(tmp_path: Path) -> None:
 
 _WRITER = """
     import sys
-    from worker.draft_archive import DraftArchive
+    from worker.speculation.archive import DraftArchive
     archive = DraftArchive(sys.argv[1], continuation=4)
     i = 0
     while True:

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from worker.draft_sources import FirstOf, NgramLookup, continue_from
+from worker.speculation.sources import FirstOf, NgramLookup, continue_from
 
 
 def rescan(seq: list[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -13,9 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from shared.blob_store import BlobEntry, BlobStat, BlobStore, DirectoryBlobStore, MemoryBlobStore
-from shared.prefix_cache import CacheHit, PrefixCache, encode_blob, restorable_tokens
-from shared.prefix_keys import prefix_key
+from shared.prefix_cache import CacheHit, PrefixCache, restorable_tokens
+from shared.prefix_cache.blobs import (
+    BlobEntry,
+    BlobStat,
+    BlobStore,
+    DirectoryBlobStore,
+    MemoryBlobStore,
+)
+from shared.prefix_cache.format import encode_blob
+from shared.prefix_cache.keys import prefix_key
 
 FP = "f00dfeed"
 B = 8  # block_tokens: head boundaries at 1, 2, 4; full blocks at 8, 16, ...

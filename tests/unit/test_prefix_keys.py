@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.prefix_keys import (
+from shared.prefix_cache.keys import (
     block_hashes,
     boundaries,
     common_prefix_len,
@@ -52,7 +52,8 @@ def test_chain_is_h_prev_concat_block() -> None:
 
 def test_same_keys_in_another_process_with_other_hash_seed() -> None:
     code = (
-        "from shared.prefix_keys import block_hashes;print(block_hashes(list(range(10)), 4, 'fp0'))"
+        "from shared.prefix_cache.keys import block_hashes;"
+        "print(block_hashes(list(range(10)), 4, 'fp0'))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO)}
     out = subprocess.run(

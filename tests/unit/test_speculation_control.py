@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from worker.speculation_control import ControlConfig, JobSpeculation, SpeculationController
+from worker.speculation.control import ControlConfig, JobSpeculation, SpeculationController
 
 PLAIN_S = 0.010
 # A CPU verifies a few extra tokens for a fraction of a one-token step.

@@ -8,7 +8,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from worker.speculative import (
+from worker.speculation.decoder import (
     Distribution,
     Sampling,
     accept_or_resample,

@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from shared.client import GranaryClient
+from cli.client import GranaryClient
 from shared.settings import Settings
 
 POLL_S = 0.5

@@ -1,7 +1,7 @@
 """`GET /metrics`: Prometheus text format, gathered from Redis at scrape time.
 
 Workers are other processes (often on other hosts); their figures reach the API through Redis
-(`shared.job_metrics`, `shared.cache_counters`), read here when Prometheus scrapes.
+(`shared.job_metrics`, `shared.prefix_cache.counters`), read here when Prometheus scrapes.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import get_args
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -22,12 +22,13 @@ from prometheus_client.registry import Collector
 from redis import Redis
 from rq import Worker
 
-from api.state import AppState, state_of
-from shared import job_metrics, keys
-from shared.cache_counters import read_counters as read_cache_counters
+from api.deps import State
+from api.state import AppState
+from shared import job_metrics
 from shared.prefix_cache import COUNTER_NAMES as CACHE_COUNTERS
+from shared.prefix_cache import read_counters as read_cache_counters
+from shared.queues import QUEUES, queue
 from shared.schemas import WarmTrigger
-from shared.submission import queue
 
 router = APIRouter(tags=["metrics"])
 
@@ -46,7 +47,7 @@ class GranaryCollector(Collector):
 
     def _queues(self, redis: Redis) -> Iterator[Metric]:
         depth = GaugeMetricFamily("granary_queue_depth", "Jobs waiting", labels=["queue"])
-        for name in keys.QUEUES:
+        for name in QUEUES:
             depth.add_metric([name], queue(redis, name).count)
         yield depth
         yield GaugeMetricFamily(
@@ -102,7 +103,7 @@ class GranaryCollector(Collector):
 
 
 @router.get("/metrics")
-def metrics(request: Request) -> Response:
+def metrics(state: State) -> Response:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(GranaryCollector(state_of(request)))
+    registry.register(GranaryCollector(state))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

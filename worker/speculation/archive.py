@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from shared.prefix_keys import token_bytes, tokens_from_bytes
+from shared.prefix_cache.keys import token_bytes, tokens_from_bytes
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS models (

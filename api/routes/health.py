@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from rq import Worker
 
-from api.state import state_of
+from api.deps import State
 from shared.errors import ServiceUnavailable
 
 router = APIRouter(tags=["health"])
@@ -18,8 +18,8 @@ def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz")
-def readyz(request: Request) -> JSONResponse:
-    redis = state_of(request).redis
+def readyz(state: State) -> JSONResponse:
+    redis = state.redis
     redis.ping()
     workers = Worker.count(connection=redis)
     if workers == 0:

@@ -8,8 +8,7 @@ from dataclasses import asdict
 
 import orjson
 
-from shared.cache_counters import cache_report
-from shared.prefix_cache import PrefixCache, open_cache
+from shared.prefix_cache import PrefixCache, cache_report, open_cache
 from shared.redis_server import answers, connect
 from shared.settings import Settings
 

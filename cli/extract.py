@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 from tqdm import tqdm
 
-from shared.client import GranaryClient
+from cli.client import GranaryClient
 from shared.errors import InvalidRequest
 from shared.settings import Settings
 

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from llama_cpp import Llama
 
 from shared.schemas import Speculation, SpeculationReport, WorkOrder
-from worker.draft_archive import ArchiveDrafts, DraftArchive
-from worker.draft_sources import FirstOf, NgramLookup
-from worker.multi_sequence import Drafting
-from worker.near_tie import TIE_MARGIN
-from worker.speculation_control import SpeculationController
-from worker.speculative import Sampling, SpeculativeDecoder
+from worker.speculation.archive import ArchiveDrafts, DraftArchive
+from worker.speculation.control import SpeculationController
+from worker.speculation.decoder import Sampling, SpeculativeDecoder
+from worker.speculation.drafting import Drafting
+from worker.speculation.near_tie import TIE_MARGIN
+from worker.speculation.sources import FirstOf, NgramLookup
 
 
 @dataclass
@@ -50,9 +50,9 @@ def drafts(mode: Speculation, temperature: float) -> bool:
     """Whether a request drafts at all.
 
     `auto` drafts for greedy requests only: greedy output is the same either way
-    (worker/near_tie.py), while a sampled request's tokens depend on which steps drafted, and
-    under `auto` that depends on timing: a seed would no longer reproduce its text. `on`
-    drafts anyway.
+    (worker/speculation/near_tie.py), while a sampled request's tokens depend on which steps
+    drafted, and under `auto` that depends on timing: a seed would no longer reproduce its
+    text. `on` drafts anyway.
     """
     return mode == "on" or (mode == "auto" and temperature <= 0)
 

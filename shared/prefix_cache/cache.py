@@ -1,15 +1,9 @@
-"""Shared cache of KV-cache states keyed by token prefix.
+"""Shared cache of KV-cache states keyed by token prefix: lookup, save, budget, maintenance.
 
-Layout inside a :class:`~shared.blob_store.BlobStore` (``sh`` = first two hex
-chars of ``bkey``, to keep the index fan-out small)::
-
-    {fp}/blobs/{n}-{id}               one blob per saved prefix (header+tokens+state)
-    {fp}/hits/{n}-{id}                its size in bytes is the hit count (capped at 16)
-    {fp}/index/{sh}/{bkey}/{n}-{id}   empty marker: blob shares boundary bkey
-
-``fp`` is the model fingerprint, ``n`` the blob's token count, ``id`` its
-prefix key and ``bkey`` a boundary key (see shared.prefix_keys). A blob has a
-marker at every boundary <= n: each full block plus power-of-two lengths below
+Files inside a :class:`~shared.prefix_cache.blobs.BlobStore` are laid out as
+shared.prefix_cache.format describes: ``fp`` is the model fingerprint, ``n`` the blob's token
+count, ``id`` its prefix key and ``bkey`` a boundary key (see shared.prefix_cache.keys). A
+blob has a marker at every boundary <= n: each full block plus power-of-two lengths below
 one block, i.e. O(n / block + log block) tiny files. Lookup lists the prompt's
 boundary directories from longest to shortest and stops at the first usable
 blob, so its cost depends on the prompt length, not on the number of entries.
@@ -23,49 +17,46 @@ inconsistency (corrupt blob, marker without blob) is repaired by deleting.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
-import struct
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shared.blob_store import BlobEntry, BlobStore, DirectoryBlobStore
-from shared.fingerprint import model_fingerprint
 from shared.models import resolve_model
-from shared.prefix_keys import (
-    KEY_HEX_CHARS,
+from shared.prefix_cache.blobs import BlobStore, DirectoryBlobStore
+from shared.prefix_cache.eviction import HOT_HITS, Stored, eviction_order, fingerprints, scan
+from shared.prefix_cache.fingerprint import model_fingerprint
+from shared.prefix_cache.format import (
+    FINGERPRINT,
+    HEADER,
+    blob_key,
+    blob_name,
+    decode_blob,
+    encode_blob,
+    hits_key,
+    index_dir,
+    name_tokens,
+    parse_head,
+    parse_name,
+)
+from shared.prefix_cache.keys import (
     Boundary,
     block_hashes,
     boundaries,
     common_prefix_len,
     prefix_key,
-    token_bytes,
-    tokens_digest,
-    tokens_from_bytes,
 )
+from shared.prefix_cache.maintenance import VerifyReport, verify_blobs
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"GRNYKV\r\n"  # \r\n: a text-mode copy that mangles newlines fails fast
-FORMAT_VERSION = 1
-# magic, version, fingerprint length, block_tokens, n_tokens, payload length,
-# sha256(tokens), blake2b-256(payload). Every byte of a blob is covered by a
-# check: header fields by size/digest consistency, fingerprint by comparison.
-_HEADER = struct.Struct("<8sHHIIQ32s32s")
-HOT_HITS = 2
-HIT_COUNT_CAP = 16
+HIT_COUNT_CAP = 16  # a blob's hits file grows a byte per hit up to this
 MAX_PROBES = 4
-PROTECTED_FRACTION = 0.8
 
 if TYPE_CHECKING:
     from shared.settings import Settings
-
-_FINGERPRINT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
-_NAME = re.compile(rf"(\d+)-([0-9a-f]{{{KEY_HEX_CHARS}}})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,111 +94,7 @@ class EntryInfo:
         return self.last_used_s
 
 
-@dataclass(frozen=True, slots=True)
-class VerifyReport:
-    checked: int
-    ok: int
-    removed: int
-    bytes_removed: int
-    orphans_removed: int  # index / hit markers whose blob no longer exists
-
-
-@dataclass(frozen=True, slots=True)
-class _Header:
-    fingerprint: str
-    block_tokens: int
-    n_tokens: int
-    payload_bytes: int
-    tokens_sha256: bytes
-    payload_digest: bytes
-
-    @property
-    def tokens_offset(self) -> int:
-        return _HEADER.size + len(self.fingerprint.encode("utf-8"))
-
-    @property
-    def payload_offset(self) -> int:
-        return self.tokens_offset + 4 * self.n_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class _Stored:
-    fp: str
-    name: str
-    n_tokens: int
-    size_bytes: int
-    last_used_s: float
-    hits: int
-
-
-def _payload_digest(payload: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=32).digest()
-
-
-def encode_blob(fingerprint: str, block_tokens: int, tokens: Sequence[int], state: bytes) -> bytes:
-    fp = fingerprint.encode("utf-8")
-    header = _HEADER.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        len(fp),
-        block_tokens,
-        len(tokens),
-        len(state),
-        tokens_digest(tokens),
-        _payload_digest(state),
-    )
-    return b"".join((header, fp, token_bytes(tokens), state))
-
-
-def _parse_head(data: bytes, expected_fp: str) -> tuple[_Header, list[int]] | None:
-    """Header and verified tokens, or None if anything is inconsistent."""
-    if len(data) < _HEADER.size:
-        return None
-    magic, version, fp_len, block_tokens, n, payload_bytes, tok_sha, pay_dig = _HEADER.unpack_from(
-        data
-    )
-    if magic != MAGIC or version != FORMAT_VERSION or block_tokens < 1:
-        return None
-    fp = data[_HEADER.size : _HEADER.size + fp_len]
-    if fp != expected_fp.encode("utf-8"):
-        return None
-    header = _Header(expected_fp, block_tokens, n, payload_bytes, tok_sha, pay_dig)
-    raw_tokens = data[header.tokens_offset : header.payload_offset]
-    if len(raw_tokens) != 4 * n or hashlib.sha256(raw_tokens).digest() != tok_sha:
-        return None
-    return header, tokens_from_bytes(raw_tokens)
-
-
-def decode_blob(data: bytes, expected_fp: str) -> tuple[_Header, list[int], bytes] | None:
-    """Fully verified (header, tokens, state) or None."""
-    parsed = _parse_head(data, expected_fp)
-    if parsed is None:
-        return None
-    header, tokens = parsed
-    if len(data) != header.payload_offset + header.payload_bytes:
-        return None  # truncated or trailing garbage
-    payload = memoryview(data)[header.payload_offset :]
-    if _payload_digest(payload) != header.payload_digest:
-        return None
-    return header, tokens, bytes(payload)
-
-
-def _name_tokens(name: str) -> int:
-    """Token count from a blob name without full validation (-1 if none): cheap filter."""
-    n_text = name.partition("-")[0]
-    return int(n_text) if n_text.isdigit() else -1
-
-
-def _parse_name(name: str) -> tuple[int, str] | None:
-    m = _NAME.fullmatch(name)
-    return None if m is None else (int(m.group(1)), m.group(2))
-
-
-def _blob_name(n_tokens: int, blob_id: str) -> str:
-    return f"{n_tokens}-{blob_id}"
-
-
-# Per-process counters; workers sum them in Redis (shared.cache_counters).
+# Per-process counters; workers sum them in Redis (shared.prefix_cache.counters).
 COUNTER_NAMES = ("hits", "misses", "hit_tokens", "bytes_read", "bytes_written", "evictions")
 
 
@@ -249,14 +136,8 @@ def restorable_tokens(
 class PrefixCache:
     """Longest-prefix KV-state cache over a shared :class:`BlobStore`.
 
-    Eviction (SLRU-style, why: a hot system-prompt prefix is small and hit by
-    many jobs, while one-off conversation states are large and used once;
-    plain LRU would let a burst of one-offs flush the hot prefix): entries
-    hit >= ``hot_hits`` times form a protected segment capped at 80 % of the
-    budget; everything else (plus protected overflow, least recent first) is
-    evicted first, oldest last-use (file mtime, set via touch on every hit so
-    it works across NFS hosts) first. The budget applies to the whole store,
-    all fingerprints included, because the disk is what is shared.
+    The budget applies to the whole store, all fingerprints included, because the disk is
+    what is shared; shared.prefix_cache.eviction says what goes first.
     """
 
     def __init__(
@@ -271,7 +152,7 @@ class PrefixCache:
         hot_hits: int = HOT_HITS,
         max_probes: int = MAX_PROBES,
     ) -> None:
-        if not _FINGERPRINT.fullmatch(fingerprint):
+        if not FINGERPRINT.fullmatch(fingerprint):
             raise ValueError(f"fingerprint must be a safe path segment: {fingerprint!r}")
         if block_tokens < 1 or max_bytes < 0:
             raise ValueError("block_tokens must be >= 1 and max_bytes >= 0")
@@ -285,20 +166,6 @@ class PrefixCache:
         self._max_probes = max_probes
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
-
-    # ---- key layout -------------------------------------------------------
-
-    @staticmethod
-    def _blob_key(fp: str, name: str) -> str:
-        return f"{fp}/blobs/{name}"
-
-    @staticmethod
-    def _index_dir(fp: str, boundary_key: str) -> str:
-        return f"{fp}/index/{boundary_key[:2]}/{boundary_key}/"
-
-    @staticmethod
-    def _hits_key(fp: str, name: str) -> str:
-        return f"{fp}/hits/{name}"
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -338,7 +205,7 @@ class PrefixCache:
             if upper < min_tokens:
                 return None
             upper = boundary.n_tokens
-            marker_dir = self._index_dir(self._fp, boundary.key)
+            marker_dir = index_dir(self._fp, boundary.key)
             names = self._store.list(marker_dir)
             if names:
                 hit = self._best_at(tokens, chain, marker_dir, names, min_tokens, breaks)
@@ -360,7 +227,7 @@ class PrefixCache:
         ranked: list[tuple[int, str]] = []  # (usable tokens, blob name)
         unknown: list[tuple[int, str]] = []  # (upper bound, blob name)
         for name in names:
-            parsed = _parse_name(name)
+            parsed = parse_name(name)
             if parsed is None:
                 self._store.delete(marker_dir + name)  # junk in the index
                 continue
@@ -412,13 +279,13 @@ class PrefixCache:
         return out
 
     def _read_tokens(self, fp: str, name: str) -> list[int] | None:
-        parsed = _parse_name(name)
+        parsed = parse_name(name)
         if parsed is None:
             return None
         n = parsed[0]
-        head_bytes = _HEADER.size + len(fp.encode("utf-8")) + 4 * n
-        data = self._store.get_head(self._blob_key(fp, name), head_bytes)
-        result = None if data is None else _parse_head(data, fp)
+        head_bytes = HEADER.size + len(fp.encode("utf-8")) + 4 * n
+        data = self._store.get_head(blob_key(fp, name), head_bytes)
+        result = None if data is None else parse_head(data, fp)
         if result is None or result[0].n_tokens != n:
             return None
         return result[1]
@@ -427,8 +294,8 @@ class PrefixCache:
         self, tokens: list[int], marker_dir: str, name: str, breaks: frozenset[int]
     ) -> CacheHit | None:
         """Read and fully verify one blob; remove it if it is bad."""
-        n, blob_id = _parse_name(name) or (-1, "")
-        key = self._blob_key(self._fp, name)
+        n, blob_id = parse_name(name) or (-1, "")
+        key = blob_key(self._fp, name)
         data = self._store.get(key)
         decoded = None if data is None else decode_blob(data, self._fp)
         if decoded is not None and (
@@ -462,10 +329,10 @@ class PrefixCache:
         count = self._hit_count(self._fp, name)
         if count < HIT_COUNT_CAP:
             # Concurrent hits may both write count+1 and count once: harmless.
-            self._store.put(self._hits_key(self._fp, name), bytes(count + 1), durable=False)
+            self._store.put(hits_key(self._fp, name), bytes(count + 1), durable=False)
 
     def _hit_count(self, fp: str, name: str) -> int:
-        stat = self._store.stat(self._hits_key(fp, name))
+        stat = self._store.stat(hits_key(fp, name))
         return 0 if stat is None else stat.size_bytes
 
     # ---- save -------------------------------------------------------------
@@ -489,12 +356,10 @@ class PrefixCache:
             return False
         chain = block_hashes(tokens, self._block_tokens, self._fp)
         bounds = boundaries(tokens, self._block_tokens, self._fp, chain=chain)
-        name = _blob_name(
-            len(tokens), prefix_key(tokens, self._block_tokens, self._fp, chain=chain)
-        )
-        key = self._blob_key(self._fp, name)
+        name = blob_name(len(tokens), prefix_key(tokens, self._block_tokens, self._fp, chain=chain))
+        key = blob_key(self._fp, name)
         now_s = self._clock()
-        top_marker = self._index_dir(self._fp, bounds[-1].key) + name
+        top_marker = index_dir(self._fp, bounds[-1].key) + name
         if self._store.stat(key) is not None and self._store.stat(top_marker) is not None:
             self._store.touch(key, now_s)  # dedupe: already stored and indexed
             return True
@@ -506,7 +371,7 @@ class PrefixCache:
         self._store.put(key, blob)  # blob before markers: a marker implies a blob
         self._store.touch(key, now_s)
         for boundary in bounds:
-            self._store.put(self._index_dir(self._fp, boundary.key) + name, b"", durable=False)
+            self._store.put(index_dir(self._fp, boundary.key) + name, b"", durable=False)
         self._count(bytes_written=len(blob))
         if self._truncatable:
             self._drop_redundant(tokens, chain, bounds)
@@ -520,10 +385,10 @@ class PrefixCache:
         """
         for i, boundary in enumerate(bounds):
             next_len = bounds[i + 1].n_tokens if i + 1 < len(bounds) else len(tokens)
-            for marker in self._store.list(self._index_dir(self._fp, boundary.key)):
-                if not boundary.n_tokens <= _name_tokens(marker) < next_len:
+            for marker in self._store.list(index_dir(self._fp, boundary.key)):
+                if not boundary.n_tokens <= name_tokens(marker) < next_len:
                     continue  # shallow boundaries list every entry: filter cheaply first
-                parsed = _parse_name(marker)
+                parsed = parse_name(marker)
                 if parsed is None:
                     continue
                 n, blob_id = parsed
@@ -553,56 +418,22 @@ class PrefixCache:
         Markers left behind point at a missing blob and are removed lazily by
         lookups or by verify(). Returns whether the blob file existed.
         """
-        existed = self._store.delete(self._blob_key(fp, name))
+        existed = self._store.delete(blob_key(fp, name))
         if blob_tokens is not None:
             for boundary in boundaries(blob_tokens, block_tokens, fp):
-                self._store.delete(self._index_dir(fp, boundary.key) + name)
+                self._store.delete(index_dir(fp, boundary.key) + name)
         if via_marker is not None:
             self._store.delete(via_marker)
-        self._store.delete(self._hits_key(fp, name))
+        self._store.delete(hits_key(fp, name))
         return existed
 
-    def _evict(self, entry: _Stored) -> None:
-        key = self._blob_key(entry.fp, entry.name)
-        head = self._store.get_head(key, _HEADER.size)
-        block_tokens = _HEADER.unpack(head)[3] if head and len(head) == _HEADER.size else 0
+    def _evict(self, entry: Stored) -> None:
+        key = blob_key(entry.fp, entry.name)
+        head = self._store.get_head(key, HEADER.size)
+        block_tokens = HEADER.unpack(head)[3] if head and len(head) == HEADER.size else 0
         blob_tokens = self._read_tokens(entry.fp, entry.name) if block_tokens > 0 else None
         if self._forget(entry.fp, entry.name, blob_tokens, max(block_tokens, 1), None):
             self._count(evictions=1)
-
-    def _fingerprints(self) -> list[str]:
-        """Every namespace sharing the store (the budget is global)."""
-        return [fp for fp in self._store.list("") if _FINGERPRINT.fullmatch(fp)]
-
-    def _scan(self, fps: Iterable[str], *, with_hits: bool = True) -> list[_Stored]:
-        out: list[_Stored] = []
-        for fp in fps:
-            hits = self._store.scan(f"{fp}/hits/") if with_hits else []
-            hit_counts = {h.key.rsplit("/", 1)[-1]: h.size_bytes for h in hits}
-            for blob in self._store.scan(f"{fp}/blobs/"):
-                out.append(self._stored(fp, blob, hit_counts))
-        return [s for s in out if s.n_tokens >= 0]
-
-    @staticmethod
-    def _stored(fp: str, blob: BlobEntry, hit_counts: dict[str, int]) -> _Stored:
-        name = blob.key.rsplit("/", 1)[-1]
-        parsed = _parse_name(name)
-        n = -1 if parsed is None else parsed[0]  # -1: not ours, filtered out
-        return _Stored(fp, name, n, blob.size_bytes, blob.mtime_s, hit_counts.get(name, 0))
-
-    def _eviction_order(self, entries: list[_Stored]) -> list[_Stored]:
-        by_recency = sorted(entries, key=lambda e: (e.last_used_s, e.name), reverse=True)
-        protected_cap = PROTECTED_FRACTION * self._max_bytes
-        protected: list[_Stored] = []
-        probation: list[_Stored] = []
-        protected_bytes = 0
-        for e in by_recency:
-            if e.hits >= self._hot_hits and protected_bytes + e.size_bytes <= protected_cap:
-                protected.append(e)
-                protected_bytes += e.size_bytes
-            else:
-                probation.append(e)
-        return probation[::-1] + protected[::-1]  # least recently used first
 
     def _make_room(self, incoming_bytes: int) -> int:
         """Evict until the store plus ``incoming_bytes`` fits; return bytes freed.
@@ -610,14 +441,14 @@ class PrefixCache:
         Usage is recomputed from the store each time (files are the source of
         truth); concurrent savers may overshoot by one blob each, briefly.
         """
-        fps = self._fingerprints()
+        fps = fingerprints(self._store)
         usage = sum(b.size_bytes for fp in fps for b in self._store.scan(f"{fp}/blobs/"))
         if usage + incoming_bytes <= self._max_bytes:
             return 0
-        entries = self._scan(fps)  # hit counts are only needed when evicting
+        entries = scan(self._store, fps)  # hit counts are only needed when evicting
         usage = sum(e.size_bytes for e in entries)
         freed = 0
-        for entry in self._eviction_order(entries):
+        for entry in eviction_order(entries, self._max_bytes, self._hot_hits):
             if usage + incoming_bytes <= self._max_bytes:
                 break
             self._evict(entry)
@@ -650,8 +481,8 @@ class PrefixCache:
             return dict(self._counters)
 
     def stats(self) -> CacheStats:
-        mine = self._scan([self._fp])
-        everything = self._scan(self._fingerprints(), with_hits=False)
+        mine = scan(self._store, [self._fp])
+        everything = scan(self._store, fingerprints(self._store), with_hits=False)
         store_bytes = sum(e.size_bytes for e in everything)
         with self._lock:
             c = dict(self._counters)
@@ -670,7 +501,7 @@ class PrefixCache:
 
     def entries(self) -> list[EntryInfo]:
         """This fingerprint's blobs, most recently used first."""
-        mine = sorted(self._scan([self._fp]), key=lambda e: e.last_used_s, reverse=True)
+        mine = sorted(scan(self._store, [self._fp]), key=lambda e: e.last_used_s, reverse=True)
         return [
             EntryInfo(e.name.rsplit("-", 1)[1], e.n_tokens, e.size_bytes, e.last_used_s, e.hits)
             for e in mine
@@ -678,48 +509,7 @@ class PrefixCache:
 
     def verify(self) -> VerifyReport:
         """Read every blob of this fingerprint, delete bad ones and stale markers."""
-        checked = removed = bytes_removed = 0
-        for entry in self._scan([self._fp]):
-            checked += 1
-            if self._verify_one(entry.name):
-                continue
-            removed += 1
-            bytes_removed += entry.size_bytes
-        orphans = self._remove_orphans()
-        return VerifyReport(checked, checked - removed, removed, bytes_removed, orphans)
-
-    def _verify_one(self, name: str) -> bool:
-        data = self._store.get(self._blob_key(self._fp, name))
-        if data is None:
-            return True  # deleted concurrently: nothing to judge
-        decoded = decode_blob(data, self._fp)
-        parsed = _parse_name(name)
-        # The header's block size, not ours: a worker configured differently may
-        # share this fingerprint, and its blobs are valid under its own keys.
-        block_tokens = self._block_tokens if decoded is None else decoded[0].block_tokens
-        if (
-            decoded is not None
-            and parsed is not None
-            and decoded[0].n_tokens == parsed[0]
-            and prefix_key(decoded[1], block_tokens, self._fp) == parsed[1]
-        ):
-            return True
-        logger.warning("prefix cache verify: removing bad blob %s", name)
-        tokens = decoded[1] if decoded is not None else None
-        self._forget(self._fp, name, tokens, block_tokens, None)
-        return False
-
-    def _remove_orphans(self) -> int:
-        removed = 0
-        for area in ("index", "hits"):
-            for marker in self._store.scan(f"{self._fp}/{area}/"):
-                name = marker.key.rsplit("/", 1)[-1]
-                if _parse_name(name) is not None and (
-                    self._store.stat(self._blob_key(self._fp, name)) is not None
-                ):
-                    continue
-                removed += int(self._store.delete(marker.key))
-        return removed
+        return verify_blobs(self._store, self._fp, self._block_tokens, self._forget)
 
     def prune(self) -> int:
         """Enforce the budget now; return bytes freed."""

@@ -53,7 +53,7 @@ class _Child:
 def _children(
     settings: Settings, config: Path | None, redis_url: str, workers: int
 ) -> list[_Child]:
-    base = [sys.executable, "-m", "shared.cli"]
+    base = [sys.executable, "-m", "cli.main"]
     if config is not None:
         base += ["--config", str(config)]
     env = {**os.environ, "GRANARY_REDIS_URL": redis_url}

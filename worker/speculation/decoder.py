@@ -4,7 +4,7 @@ Decoding one token reads every weight once; decoding the pending token plus k dr
 one batch reads them once too. On a small CPU the batch is far from free, though (each extra
 row costs a sizeable share of a plain step: docs/BENCHMARKS.md, "Decoding rows in one batch"),
 so a draft pays only where most of it is accepted. Rejected tokens' memory cells are dropped
-again (worker/speculation_control.py decides whether and how far to draft).
+again (worker/speculation/control.py decides whether and how far to draft).
 
 The model computes logits only for the positions being verified (the Llama is created with
 logits_all=False; nothing here touches the prompt's logits).
@@ -20,7 +20,7 @@ from the same token decoded alone (docs/BENCHMARKS.md measures the drift), so a 
 between two nearly tied logits can flip. With a `tie_margin` (`worker.speculation_exact`),
 greedy verification trusts a batched row only where its top two logits are at least that far
 apart; at a closer call it recomputes, one token at a time as plain decoding does, every cell
-since the last one computed that way, and takes that choice (worker/near_tie.py). Greedy
+since the last one computed that way, and takes that choice (worker/speculation/near_tie.py). Greedy
 output is then plain decoding's wherever batching moves logits by less than half the margin.
 With margin 0 (the worker's default), near ties are taken as the batch computed them: much
 faster where drafts are accepted, but output may part from plain decoding at a near tie.
@@ -40,8 +40,8 @@ import numpy.typing as npt
 from llama_cpp import Llama
 
 from worker.decode_batch import fill_batch
-from worker.draft_sources import DraftSource
-from worker.near_tie import TIE_MARGIN, is_near_tie
+from worker.speculation.near_tie import TIE_MARGIN, is_near_tie
+from worker.speculation.sources import DraftSource
 
 SEQ = 0
 Logits = npt.NDArray[np.float32]

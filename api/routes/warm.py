@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query
 
-from api.auth import authenticate, owner_of
-from api.state import AppState, state_of
+from api.deps import Owner, State, authenticate
+from api.state import AppState
 from shared.errors import CacheDisabled, ContextOverflow
 from shared.llm import render_warm, tokenize
 from shared.schemas import WarmItem, WarmRequest
@@ -15,19 +15,17 @@ router = APIRouter(prefix="/v1/warm", tags=["warm"], dependencies=[Depends(authe
 
 
 @router.post("", status_code=202, response_model=WarmRunView)
-def warm(body: WarmRequest, request: Request) -> WarmRunView:
+def warm(body: WarmRequest, state: State, owner: Owner) -> WarmRunView:
     """Queue warm jobs for a prompt, messages, a document or `documents`; returns the run.
 
     Its jobs report, when finished, the prefix length, how much was cached already and how
     much was computed; poll `GET /v1/warm/runs/{id}`.
     """
-    state = state_of(request)
     if state.cache is None:
         raise CacheDisabled("the prefix cache is disabled (cache.enabled): nothing to warm")
     items = body.items()
     for item in items:
         _check_fits(state, item)
-    owner = owner_of(request)
     namespace = owner if state.settings.cache.per_key else None
     return state.warm_runs.start([(item, namespace) for item in items], "manual", owner=owner)
 
@@ -44,13 +42,12 @@ def _check_fits(state: AppState, item: WarmItem) -> None:
 
 
 @router.get("/runs", response_model=list[WarmRunView])
-def runs(request: Request, limit: int = Query(20, ge=1, le=100)) -> list[WarmRunView]:
+def runs(state: State, owner: Owner, limit: int = Query(20, ge=1, le=100)) -> list[WarmRunView]:
     """Recent warm runs, newest first (scheduled, caught up, and requested here)."""
-    state = state_of(request)
-    runs = state.warm_runs.recent(owner_of(request), limit)
+    runs = state.warm_runs.recent(owner, limit)
     return [run.model_copy(update={"jobs": []}) for run in runs]
 
 
 @router.get("/runs/{run_id}", response_model=WarmRunView)
-def run(run_id: str, request: Request) -> WarmRunView:
-    return state_of(request).warm_runs.get(run_id, owner_of(request))
+def run(run_id: str, state: State, owner: Owner) -> WarmRunView:
+    return state.warm_runs.get(run_id, owner)

@@ -2,7 +2,7 @@
 
 Extraction answers copy spans of their document and long outputs repeat themselves, so the
 tokens that followed the last occurrence of the current n-gram are a good guess for what comes
-next. The guess is only a draft: the model verifies it (worker/speculative.py).
+next. The guess is only a draft: the model verifies it (worker/speculation/decoder.py).
 
 The index is updated as tokens arrive (one dict write per n-gram length and token), so a
 proposal costs a few dict lookups however long the sequence is, instead of a rescan per step.

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, settings: Settings) -> int:
     # Imports are per command: the API never loads worker code, the client never loads llama.
     if args.command == "up":
-        from shared.stack import run_stack
+        from cli.up import run_stack
 
         return run_stack(settings, args.config, args.workers)
     if args.command == "api":
@@ -104,23 +104,23 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
 
         print(resolve_model(settings.model, settings.data_dir))
     elif args.command == "cache":
-        from shared.cache_admin import run_cache_command
+        from cli.cache import run_cache_command
 
         return run_cache_command(args.action, settings)
     elif args.command == "extract":
-        from shared.extract_command import extract_from_cli
+        from cli.extract import extract_from_cli
 
         return extract_from_cli(args, settings)
     elif args.command == "batch":
-        from shared.extract_command import batch_from_cli
+        from cli.extract import batch_from_cli
 
         return batch_from_cli(args, settings)
     elif args.command == "warm":
-        from shared.warm_command import warm_from_cli
+        from cli.warm import warm_from_cli
 
         return warm_from_cli(args, settings)
     elif args.command == "submit":
-        from shared.client import submit_from_cli
+        from cli.client import submit_from_cli
 
         return submit_from_cli(args, settings)
     return 0

@@ -9,19 +9,19 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Header
 from fastapi.concurrency import run_in_threadpool
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from api.auth import authenticate, owner_of
-from api.state import AppState, state_of
+from api.deps import IdempotencyKey, Owner, State, authenticate
+from api.state import AppState
 from shared.errors import InvalidRequest
 from shared.job_store import JobEvent
-from shared.schemas import JobRequest, JobView
+from shared.queues import INTERACTIVE
+from shared.schemas import ExtractionRequest, JobRequest, JobView
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authenticate)])
 
-MAX_IDEMPOTENCY_KEY_CHARS = 255
 # Plain "\n" line ends: a "\r\n" split across two network reads makes some clients
 # (httpx-sse, seen here) end an event early and deliver it without its data.
 SSE_SEP = "\n"
@@ -29,40 +29,42 @@ SSE_SEP = "\n"
 
 @router.post("", status_code=202, response_model=JobView)
 def create_job(
-    body: JobRequest,
-    request: Request,
-    idempotency_key: Annotated[str | None, Header()] = None,
+    body: JobRequest, state: State, owner: Owner, idempotency_key: IdempotencyKey
 ) -> JobView:
-    check_idempotency_key(idempotency_key)
-    return state_of(request).submitter.submit(
-        body, queue_name="interactive", idempotency_key=idempotency_key, owner=owner_of(request)
+    return submit_interactive(state, body, owner, idempotency_key)
+
+
+def submit_interactive(
+    state: AppState,
+    body: JobRequest | ExtractionRequest,
+    owner: str | None,
+    idempotency_key: str | None,
+) -> JobView:
+    """A job or an extraction someone is waiting for: the `interactive` queue."""
+    return state.submitter.submit(
+        body, queue_name=INTERACTIVE, idempotency_key=idempotency_key, owner=owner
     )
 
 
-def check_idempotency_key(key: str | None) -> None:
-    if key is not None and not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS:
-        raise InvalidRequest("Idempotency-Key must be 1-255 characters", field="Idempotency-Key")
-
-
 @router.get("/{job_id}", response_model=JobView)
-def get_job(job_id: str, request: Request) -> JobView:
-    return state_of(request).store.get_owned(job_id, owner_of(request))
+def get_job(job_id: str, state: State, owner: Owner) -> JobView:
+    return state.store.get_owned(job_id, owner)
 
 
 @router.delete("/{job_id}", response_model=JobView)
-def cancel_job(job_id: str, request: Request) -> JobView:
-    return state_of(request).submitter.cancel(job_id, owner_of(request))
+def cancel_job(job_id: str, state: State, owner: Owner) -> JobView:
+    return state.submitter.cancel(job_id, owner)
 
 
 @router.get("/{job_id}/events")
 async def job_events(
     job_id: str,
-    request: Request,
+    state: State,
+    owner: Owner,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> EventSourceResponse:
-    state = state_of(request)
     # 404 (unknown, or another key's job) before the stream starts.
-    await run_in_threadpool(state.store.get_owned, job_id, owner_of(request))
+    await run_in_threadpool(state.store.get_owned, job_id, owner)
     after = _parse_last_event_id(last_event_id)
     return EventSourceResponse(_events(state, job_id, after), ping=15, sep=SSE_SEP)
 

@@ -20,9 +20,10 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.auth import authenticate, owner_of
-from api.state import AppState, state_of
+from api.deps import Owner, State, authenticate
+from api.state import AppState
 from shared.errors import InvalidRequest, ServiceUnavailable
+from shared.queues import INTERACTIVE
 from shared.schemas import MAX_STOP_SEQUENCES, JobRequest, JobStatus, JobView, Message, Text
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(authenticate)])
@@ -112,28 +113,32 @@ class ChatRequest(_Common):
 
 
 @router.get("/models")
-def list_models(request: Request) -> dict[str, Any]:
-    settings = state_of(request).settings
+def list_models(state: State) -> dict[str, Any]:
+    settings = state.settings
     model = {"id": settings.model, "object": "model", "created": 0, "owned_by": "granary"}
     return {"object": "list", "data": [model]}
 
 
 @router.post("/completions", response_model=None)
-async def completions(body: CompletionRequest, request: Request) -> Any:
-    return await _serve(request, body, body.job_request(), "text")
+async def completions(body: CompletionRequest, request: Request, state: State, owner: Owner) -> Any:
+    return await _serve(request, state, owner, body, "text")
 
 
 @router.post("/chat/completions", response_model=None)
-async def chat_completions(body: ChatRequest, request: Request) -> Any:
-    return await _serve(request, body, body.job_request(), "chat")
+async def chat_completions(body: ChatRequest, request: Request, state: State, owner: Owner) -> Any:
+    return await _serve(request, state, owner, body, "chat")
 
 
-async def _serve(request: Request, body: _Common, job: JobRequest, kind: Kind) -> Any:
-    state = state_of(request)
-    view = await run_in_threadpool(
-        state.submitter.submit, job, queue_name="interactive", owner=owner_of(request)
-    )
-    reply = _Reply(kind, view.id, state.settings.model, owner_of(request))
+async def _serve(
+    request: Request,
+    state: AppState,
+    owner: str | None,
+    body: CompletionRequest | ChatRequest,
+    kind: Kind,
+) -> Any:
+    job = body.job_request()
+    view = await run_in_threadpool(state.submitter.submit, job, queue_name=INTERACTIVE, owner=owner)
+    reply = _Reply(kind, view.id, state.settings.model, owner)
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(state, reply, usage), media_type="text/event-stream")

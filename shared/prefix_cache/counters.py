@@ -9,7 +9,7 @@ from __future__ import annotations
 from redis import Redis
 
 from shared import keys
-from shared.prefix_cache import COUNTER_NAMES, PrefixCache
+from shared.prefix_cache.cache import COUNTER_NAMES, PrefixCache
 from shared.schemas import CacheReport
 from shared.settings import Settings
 

@@ -7,13 +7,10 @@ The job is read, streamed and cancelled through `/v1/jobs/{id}`: its result is `
 
 from __future__ import annotations
 
-from typing import Annotated
+from fastapi import APIRouter, Depends
 
-from fastapi import APIRouter, Depends, Header, Request
-
-from api.auth import authenticate, owner_of
-from api.jobs import check_idempotency_key
-from api.state import state_of
+from api.deps import IdempotencyKey, Owner, State, authenticate
+from api.routes.jobs import submit_interactive
 from shared.schemas import ExtractionRequest, JobView
 
 router = APIRouter(
@@ -23,11 +20,6 @@ router = APIRouter(
 
 @router.post("", status_code=202, response_model=JobView)
 def create_extraction(
-    body: ExtractionRequest,
-    request: Request,
-    idempotency_key: Annotated[str | None, Header()] = None,
+    body: ExtractionRequest, state: State, owner: Owner, idempotency_key: IdempotencyKey
 ) -> JobView:
-    check_idempotency_key(idempotency_key)
-    return state_of(request).submitter.submit(
-        body, queue_name="interactive", idempotency_key=idempotency_key, owner=owner_of(request)
-    )
+    return submit_interactive(state, body, owner, idempotency_key)

@@ -1,0 +1,34 @@
+"""The shared on-disk prefix KV cache: states keyed by token prefix, shared by every worker.
+
+Inside: `keys` (chained block hashes of token prefixes), `blobs` (the narrow bytes-in/bytes-out
+storage interface, directory and memory implementations), `format` (blob bytes and where
+files live), `eviction` (what the budget removes first), `maintenance` (verifying every
+blob), `cache` (lookup, save, budget), `fingerprint` (which states a model may read) and
+`counters` (hits and misses summed over workers in Redis). Other packages use what is exported here.
+"""
+
+from __future__ import annotations
+
+from shared.prefix_cache.cache import (
+    COUNTER_NAMES,
+    CacheHit,
+    PrefixCache,
+    open_cache,
+    restorable_tokens,
+)
+from shared.prefix_cache.counters import CounterPublisher, cache_report, read_counters
+from shared.prefix_cache.fingerprint import model_fingerprint
+from shared.prefix_cache.keys import common_prefix_len
+
+__all__ = [
+    "COUNTER_NAMES",
+    "CacheHit",
+    "CounterPublisher",
+    "PrefixCache",
+    "cache_report",
+    "common_prefix_len",
+    "model_fingerprint",
+    "open_cache",
+    "read_counters",
+    "restorable_tokens",
+]

@@ -1,0 +1,128 @@
+"""How the prefix cache lays out its store: blob bytes, blob names and where files live.
+
+A blob is a header, the model fingerprint, the token ids and the KV state. Every byte is
+covered by a check: header fields by size/digest consistency, the fingerprint by comparison,
+tokens by SHA-256 and the state by BLAKE2b. Blob names are ``{n_tokens}-{prefix key}``.
+Paths inside the store (``sh`` = first two hex chars of ``bkey``, to keep the index fan-out
+small)::
+
+    {fp}/blobs/{n}-{id}               one blob per saved prefix (header+tokens+state)
+    {fp}/hits/{n}-{id}                its size in bytes is the hit count (capped)
+    {fp}/index/{sh}/{bkey}/{n}-{id}   empty marker: blob shares boundary bkey
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.prefix_cache.keys import KEY_HEX_CHARS, token_bytes, tokens_digest, tokens_from_bytes
+
+MAGIC = b"GRNYKV\r\n"  # \r\n: a text-mode copy that mangles newlines fails fast
+FORMAT_VERSION = 1
+# magic, version, fingerprint length, block_tokens, n_tokens, payload length,
+# sha256(tokens), blake2b-256(payload).
+HEADER = struct.Struct("<8sHHIIQ32s32s")
+# A fingerprint (or namespaced one) is a directory name: nothing that could climb out.
+FINGERPRINT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+_NAME = re.compile(rf"(\d+)-([0-9a-f]{{{KEY_HEX_CHARS}}})")
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    fingerprint: str
+    block_tokens: int
+    n_tokens: int
+    payload_bytes: int
+    tokens_sha256: bytes
+    payload_digest: bytes
+
+    @property
+    def tokens_offset(self) -> int:
+        return HEADER.size + len(self.fingerprint.encode("utf-8"))
+
+    @property
+    def payload_offset(self) -> int:
+        return self.tokens_offset + 4 * self.n_tokens
+
+
+def _payload_digest(payload: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(payload, digest_size=32).digest()
+
+
+def encode_blob(fingerprint: str, block_tokens: int, tokens: Sequence[int], state: bytes) -> bytes:
+    fp = fingerprint.encode("utf-8")
+    header = HEADER.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        len(fp),
+        block_tokens,
+        len(tokens),
+        len(state),
+        tokens_digest(tokens),
+        _payload_digest(state),
+    )
+    return b"".join((header, fp, token_bytes(tokens), state))
+
+
+def parse_head(data: bytes, expected_fp: str) -> tuple[Header, list[int]] | None:
+    """Header and verified tokens, or None if anything is inconsistent."""
+    if len(data) < HEADER.size:
+        return None
+    magic, version, fp_len, block_tokens, n, payload_bytes, tok_sha, pay_dig = HEADER.unpack_from(
+        data
+    )
+    if magic != MAGIC or version != FORMAT_VERSION or block_tokens < 1:
+        return None
+    fp = data[HEADER.size : HEADER.size + fp_len]
+    if fp != expected_fp.encode("utf-8"):
+        return None
+    header = Header(expected_fp, block_tokens, n, payload_bytes, tok_sha, pay_dig)
+    raw_tokens = data[header.tokens_offset : header.payload_offset]
+    if len(raw_tokens) != 4 * n or hashlib.sha256(raw_tokens).digest() != tok_sha:
+        return None
+    return header, tokens_from_bytes(raw_tokens)
+
+
+def decode_blob(data: bytes, expected_fp: str) -> tuple[Header, list[int], bytes] | None:
+    """Fully verified (header, tokens, state) or None."""
+    parsed = parse_head(data, expected_fp)
+    if parsed is None:
+        return None
+    header, tokens = parsed
+    if len(data) != header.payload_offset + header.payload_bytes:
+        return None  # truncated or trailing garbage
+    payload = memoryview(data)[header.payload_offset :]
+    if _payload_digest(payload) != header.payload_digest:
+        return None
+    return header, tokens, bytes(payload)
+
+
+def name_tokens(name: str) -> int:
+    """Token count from a blob name without full validation (-1 if none): cheap filter."""
+    n_text = name.partition("-")[0]
+    return int(n_text) if n_text.isdigit() else -1
+
+
+def parse_name(name: str) -> tuple[int, str] | None:
+    m = _NAME.fullmatch(name)
+    return None if m is None else (int(m.group(1)), m.group(2))
+
+
+def blob_name(n_tokens: int, blob_id: str) -> str:
+    return f"{n_tokens}-{blob_id}"
+
+
+def blob_key(fp: str, name: str) -> str:
+    return f"{fp}/blobs/{name}"
+
+
+def index_dir(fp: str, boundary_key: str) -> str:
+    return f"{fp}/index/{boundary_key[:2]}/{boundary_key}/"
+
+
+def hits_key(fp: str, name: str) -> str:
+    return f"{fp}/hits/{name}"
