@@ -12,6 +12,7 @@ from redis.asyncio import Redis as AsyncRedis
 from api import errors
 from api.batches import Batches
 from api.event_hub import EventHub
+from api.guard import RequestGuard
 from api.routes import ROUTERS
 from api.state import AppState
 from shared.job_store import JobStore
@@ -54,6 +55,7 @@ def create_app(settings: Settings) -> FastAPI:
             tokenizer.close()
 
     app = FastAPI(title="granary", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(RequestGuard, settings=settings)
     errors.install(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -25,14 +25,28 @@ def error_body(error_type: str, message: str, field: str | None = None) -> dict[
     return {"error": {"type": error_type, "message": message, "field": field}}
 
 
+_LOCATIONS = ("body", "query", "path", "header", "cookie")
+# Pydantic names the member of a union a value failed against ("str", "list[str]",
+# "function-after[_encodable(), str]"): a type, not a field the client could look for.
+_TYPE_NAMES = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
 def _field(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
-    return ".".join(parts) or None
+    """The field as the client wrote it: `messages.0.content`, `path` (an unknown field)."""
+    parts = list(loc[1:] if loc and loc[0] in _LOCATIONS else loc)
+    named = [str(p) for p in parts if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
+    return ".".join(named) or None
+
+
+def response_for(exc: GranaryError) -> JSONResponse:
+    """The one mapping of granary's errors to HTTP, also used before FastAPI sees a request."""
+    body = error_body(exc.error_type, exc.message, exc.field)
+    return JSONResponse(body, exc.status_code, headers=exc.headers or None)
 
 
 async def _granary_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, GranaryError)
-    return JSONResponse(error_body(exc.error_type, exc.message, exc.field), exc.status_code)
+    return response_for(exc)
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:

@@ -6,6 +6,8 @@ from __future__ import annotations
 class GranaryError(Exception):
     status_code = 500
     error_type = "internal_error"
+    # Response headers the status calls for (401: how to authenticate).
+    headers: dict[str, str] = {}  # noqa: RUF012 (never mutated: subclasses replace it)
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
@@ -25,11 +27,29 @@ class ContextOverflow(InvalidRequest):
 class Unauthorized(GranaryError):
     status_code = 401
     error_type = "invalid_api_key"
+    headers = {"WWW-Authenticate": "Bearer"}  # noqa: RUF012
 
 
 class JobNotFound(GranaryError):
     status_code = 404
     error_type = "not_found"
+
+
+class PayloadTooLarge(GranaryError):
+    status_code = 413
+    error_type = "payload_too_large"
+
+
+class UnsupportedMediaType(GranaryError):
+    status_code = 415
+    error_type = "unsupported_media_type"
+
+
+class IdempotencyConflict(GranaryError):
+    """An Idempotency-Key reused with a different request body."""
+
+    status_code = 422
+    error_type = "idempotency_conflict"
 
 
 class Conflict(GranaryError):

@@ -145,8 +145,12 @@ class JobStore:
             raise JobNotFound(f"no job with id {job_id!r}")
         return _decoded(raw)
 
-    def delete(self, job_id: str) -> None:
-        self._redis.delete(keys.job(job_id), keys.job_events(job_id))
+    def discard(self, job_id: str) -> None:
+        """Undo `create` for a job never queued (a duplicate): it was never submitted."""
+        with self._redis.pipeline() as pipe:
+            pipe.delete(keys.job(job_id), keys.job_events(job_id))
+            pipe.hincrby(keys.metrics_counters(), "jobs_submitted", -1)
+            pipe.execute()
 
     def order(self, job_id: str, model: type[Order]) -> Order:
         raw = self._redis.hget(keys.job(job_id), "order")

@@ -21,6 +21,10 @@ def _encodable(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_encodable)]
 
+# What clients send: unknown fields are refused, and so are values of the wrong JSON type
+# ("4" or 4.0 or true for an integer, "0.5" for a number) rather than quietly converted.
+REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
+
 
 class JobStatus(StrEnum):
     QUEUED = "queued"
@@ -35,7 +39,7 @@ class JobStatus(StrEnum):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     role: Literal["system", "user", "assistant"]
     content: Text
@@ -45,7 +49,7 @@ Speculation = Literal["auto", "on", "off"]
 
 
 class SamplingParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     max_tokens: int | None = Field(None, gt=0, le=1_000_000)
     temperature: float = Field(0.8, ge=0.0, le=2.0)
@@ -78,6 +82,8 @@ class DocumentFields(BaseModel):
     document in the user message. Everything up to the end of the wrapped document is the
     shared prefix, which the cache and the warmer keep whole.
     """
+
+    model_config = REQUEST_CONFIG
 
     document: Text | None = Field(None, min_length=1)
     instructions: Text | None = None
@@ -122,7 +128,7 @@ MAX_QUESTIONS = 256
 
 
 class ExtractionQuestion(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     id: QuestionId
     question: Text = Field(min_length=1)
@@ -182,7 +188,7 @@ class WarmItem(DocumentFields):
     messages up to the last token, so the same request later restores all of it.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     name: Text | None = Field(None, max_length=200)
     prompt: Text | None = Field(None, min_length=1)
@@ -370,7 +376,8 @@ class CacheReport(BaseModel):
     """The prefix cache: entries and bytes on disk, counters summed over every worker."""
 
     enabled: bool
-    dir: str
+    # Only `granary cache stats` (run on the host) shows where the cache lives; the API does not.
+    dir: str | None = None
     fingerprint: str | None = None
     entries: int = 0
     bytes: int = 0
@@ -392,7 +399,7 @@ class BatchItem(ExtractionRequest):
 class BatchRequest(BaseModel):
     """`POST /v1/batches`: extraction requests, one job each on the `batch` queue."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     items: list[BatchItem] = Field(min_length=1, max_length=10_000)
 

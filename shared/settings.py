@@ -27,6 +27,14 @@ class ApiSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
     idempotency_ttl_s: int = Field(86_400, gt=0)
+    # A larger body is refused (413) before it is read whole or parsed. 8 MiB holds a
+    # 1,000-page text document; batches of many documents need more, or several requests.
+    max_body_bytes: int = Field(8 * 1024**2, ge=1024)
+    # Requests rendered and tokenized at once; more wait, so a few huge prompts cannot take
+    # every thread of the API while short ones queue behind them.
+    tokenize_concurrency: int = Field(2, ge=1)
+    # With api_keys set, /docs and /openapi.json need a key too unless this is true.
+    open_docs: bool = False
 
 
 class WorkerSettings(BaseModel):

@@ -5,16 +5,18 @@ Everything that can be wrong with a request is found here, before anything reach
 
 from __future__ import annotations
 
+import hashlib
 import secrets
+import threading
 import uuid
 
 from llama_cpp import Llama
 from redis import Redis
 
-from shared import keys
-from shared.errors import ContextOverflow, InvalidRequest
+from shared import codec, keys
+from shared.errors import ContextOverflow, IdempotencyConflict, InvalidRequest
 from shared.job_store import JobStore
-from shared.llm import document_prompts, render_prompt, tokenize
+from shared.llm import document_prompts, render_prompt, render_warm, tokenize
 from shared.queues import RUN_EXTRACT, RUN_JOB, enqueue, queue
 from shared.schemas import (
     DocumentFields,
@@ -25,6 +27,7 @@ from shared.schemas import (
     JobStatus,
     JobView,
     Speculation,
+    WarmItem,
     WorkOrder,
 )
 from shared.settings import Settings
@@ -112,6 +115,9 @@ class Submitter:
         self._store = store
         self._tokenizer = tokenizer
         self._settings = settings
+        # Rendering and tokenizing a long prompt holds a core; bound how many run at once.
+        self._tokenizing = threading.BoundedSemaphore(settings.api.tokenize_concurrency)
+        self._longest_token = longest_token_bytes(tokenizer)
 
     def submit(
         self,
@@ -122,7 +128,9 @@ class Submitter:
         owner: str | None = None,
     ) -> JobView:
         """A generation job, or an extraction job (many questions about one document)."""
-        order = self._order(request)
+        self._refuse_certain_overflow(request)
+        with self._tokenizing:
+            order = self._order(request)
         kind: JobKind = "extract" if isinstance(order, ExtractOrder) else "generate"
         if self._settings.cache.per_key and owner is not None:
             order = order.model_copy(update={"cache_namespace": owner})
@@ -130,13 +138,50 @@ class Submitter:
         view = self._store.create(job_id, queue_name, order, owner, kind=kind)
         if idempotency_key is not None:
             # Scoped by owner: one key's idempotency keys never reach another's jobs.
-            existing = self._claim_idempotency_key(f"{owner or ''}:{idempotency_key}", job_id)
+            scoped = f"{owner or ''}:{idempotency_key}"
+            try:
+                existing = self._claim_idempotency_key(scoped, job_id, _digest(request))
+            except IdempotencyConflict:
+                self._store.discard(job_id)
+                raise
             if existing is not None:
-                self._store.delete(job_id)
+                self._store.discard(job_id)
                 return self._store.get(existing)
         function = RUN_EXTRACT if kind == "extract" else RUN_JOB
         enqueue(self._redis, queue_name, function, job_id, self._settings)
         return view
+
+    def check_warm_fits(self, item: WarmItem) -> None:
+        """A warm item's prefix must fit the context window, as a request's prompt must."""
+        self._refuse_certain_overflow(item)
+        with self._tokenizing:
+            n_tokens = len(tokenize(self._tokenizer, render_warm(self._tokenizer, item)))
+        n_ctx = self._settings.n_ctx
+        if n_tokens >= n_ctx:
+            field = "document" if item.document is not None else "prompt"
+            label = item.name or field
+            raise ContextOverflow(
+                f"{label} is {n_tokens} tokens; the context window is {n_ctx} tokens", field=field
+            )
+
+    def _refuse_certain_overflow(self, request: JobRequest | ExtractionRequest | WarmItem) -> None:
+        """Refuse, without tokenizing it, a text too long for the context whatever its tokens.
+
+        No token is longer than the vocabulary's longest, so a text of n bytes is at least
+        n / longest tokens; tokenizing a few megabytes would hold a core for seconds first.
+        """
+        texts = {"document": request.document}
+        if not isinstance(request, ExtractionRequest):
+            texts["prompt"] = request.prompt
+            texts["messages"] = "".join(m.content for m in request.messages or [])
+        n_ctx = self._settings.n_ctx
+        for field, text in texts.items():
+            at_least = len((text or "").encode()) // self._longest_token
+            if at_least >= n_ctx:
+                raise ContextOverflow(
+                    f"{field} is at least {at_least} tokens; the context window is {n_ctx} tokens",
+                    field=field,
+                )
 
     def _order(self, request: JobRequest | ExtractionRequest) -> WorkOrder | ExtractOrder:
         jobs = self._settings.jobs
@@ -176,11 +221,33 @@ class Submitter:
         queue(self._redis, view.queue).remove(job_id)
         return view
 
-    def _claim_idempotency_key(self, key: str, job_id: str) -> str | None:
-        """Bind `key` to `job_id`; returns the job id it was already bound to, if any."""
+    def _claim_idempotency_key(self, key: str, job_id: str, digest: str) -> str | None:
+        """Bind `key` to `job_id`; returns the job id it was already bound to, if any.
+
+        The binding keeps a digest of the request: the same key with another body is a client
+        bug (or two clients sharing keys), answered 422 rather than with an unrelated job.
+        """
         redis_key = keys.idempotency(key)
         ttl_s = self._settings.api.idempotency_ttl_s
-        if self._redis.set(redis_key, job_id, nx=True, ex=ttl_s):
+        if self._redis.set(redis_key, f"{job_id} {digest}", nx=True, ex=ttl_s):
             return None
-        existing: bytes | None = self._redis.get(redis_key)  # type: ignore[assignment]
-        return existing.decode() if existing is not None else None
+        raw: bytes | None = self._redis.get(redis_key)  # type: ignore[assignment]
+        if raw is None:
+            return None
+        existing, _, bound_digest = raw.decode().partition(" ")
+        if bound_digest and bound_digest != digest:  # bindings made before digests: trusted
+            raise IdempotencyConflict(
+                "Idempotency-Key was already used with a different request body",
+                field="Idempotency-Key",
+            )
+        return existing
+
+
+def _digest(request: JobRequest | ExtractionRequest) -> str:
+    """The request as sent (defaults filled in), whatever its key order or spacing."""
+    return hashlib.blake2b(codec.dumps(request.model_dump(mode="json")), digest_size=16).hexdigest()
+
+
+def longest_token_bytes(tokenizer: Llama) -> int:
+    """Bytes of the vocabulary's longest token (a fraction of a second, once per process)."""
+    return max(len(tokenizer.detokenize([t])) for t in range(tokenizer.n_vocab())) or 1

@@ -81,7 +81,7 @@ def stack_factory(
     stacks: list[Stack] = []
 
     def make(workers: int = 1, **overrides: object) -> Stack:
-        api = {"port": free_port()}
+        api = {"port": free_port(), **overrides.pop("api", {})}  # type: ignore[dict-item]
         settings = settings_factory(api=api, **overrides)
         stack = Stack(settings, tmp_path)
         stacks.append(stack)

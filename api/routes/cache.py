@@ -11,6 +11,8 @@ from shared.schemas import CacheReport
 router = APIRouter(prefix="/v1/cache", tags=["cache"], dependencies=[Depends(authenticate)])
 
 
-@router.get("", response_model=CacheReport)
+@router.get("", response_model=CacheReport, response_model_exclude={"dir"})
 def cache_stats(state: State) -> CacheReport:
+    # Where the cache lives on the host is for its operator (`granary cache stats`), not for
+    # every holder of an API key.
     return cache_report(state.settings, state.redis, state.cache)

@@ -5,10 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Query
 
 from api.deps import Owner, State, authenticate
-from api.state import AppState
-from shared.errors import CacheDisabled, ContextOverflow
-from shared.llm import render_warm, tokenize
-from shared.schemas import WarmItem, WarmRequest
+from shared.errors import CacheDisabled
+from shared.schemas import WarmRequest
 from shared.warm_runs import WarmRunView
 
 router = APIRouter(prefix="/v1/warm", tags=["warm"], dependencies=[Depends(authenticate)])
@@ -25,20 +23,9 @@ def warm(body: WarmRequest, state: State, owner: Owner) -> WarmRunView:
         raise CacheDisabled("the prefix cache is disabled (cache.enabled): nothing to warm")
     items = body.items()
     for item in items:
-        _check_fits(state, item)
+        state.submitter.check_warm_fits(item)
     namespace = owner if state.settings.cache.per_key else None
     return state.warm_runs.start([(item, namespace) for item in items], "manual", owner=owner)
-
-
-def _check_fits(state: AppState, item: WarmItem) -> None:
-    n_tokens = len(tokenize(state.tokenizer, render_warm(state.tokenizer, item)))
-    n_ctx = state.settings.n_ctx
-    if n_tokens >= n_ctx:
-        field = "document" if item.document is not None else "prompt"
-        label = item.name or field
-        raise ContextOverflow(
-            f"{label} is {n_tokens} tokens; the context window is {n_ctx} tokens", field=field
-        )
 
 
 @router.get("/runs", response_model=list[WarmRunView])

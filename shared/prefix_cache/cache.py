@@ -166,6 +166,7 @@ class PrefixCache:
         self._max_probes = max_probes
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
+        self._write_failures = 0
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -229,7 +230,7 @@ class PrefixCache:
         for name in names:
             parsed = parse_name(name)
             if parsed is None:
-                self._store.delete(marker_dir + name)  # junk in the index
+                self._best_effort(self._store.delete, marker_dir + name)  # junk in the index
                 continue
             n, blob_id = parsed
             if n <= len(tokens) and blob_id == prefix_key(
@@ -270,7 +271,9 @@ class PrefixCache:
                 break
             blob_tokens = self._read_tokens(self._fp, name)
             if blob_tokens is None:
-                self._forget(self._fp, name, None, self._block_tokens, marker_dir + name)
+                self._best_effort(
+                    self._forget, self._fp, name, None, self._block_tokens, marker_dir + name
+                )
                 continue
             common = common_prefix_len(blob_tokens, tokens)
             usable = self.usable(common, len(blob_tokens), len(tokens) - 1, breaks)
@@ -307,14 +310,16 @@ class PrefixCache:
         if decoded is None:
             if data is not None:
                 logger.warning("prefix cache: removing corrupt blob %s", key)
-            self._forget(self._fp, name, None, self._block_tokens, marker_dir + name)
+            self._best_effort(
+                self._forget, self._fp, name, None, self._block_tokens, marker_dir + name
+            )
             return None
         _, blob_tokens, state = decoded
         common = common_prefix_len(blob_tokens, tokens)
         usable = self.usable(common, len(blob_tokens), len(tokens) - 1, breaks)
         if usable < 1:
             return None
-        self._record_use(key, name)
+        self._best_effort(self._record_use, key, name)
         return CacheHit(usable, state, len(blob_tokens), blob_id)
 
     def usable(
@@ -323,6 +328,24 @@ class PrefixCache:
         return restorable_tokens(
             common, blob_tokens, limit, self._block_tokens, self._truncatable, breaks
         )
+
+    def _best_effort(self, write: Callable[..., object], *args: object) -> None:
+        """Bookkeeping and repairs during a lookup: a cache directory that cannot be written
+        (read-only, immutable, full) still serves every hit it can read. Logged at the first
+        failure and then at every 1,000th, not at each hit."""
+        try:
+            write(*args)
+        except OSError as exc:
+            with self._lock:
+                self._write_failures += 1
+                failures = self._write_failures
+            if failures % 1000 == 1:
+                logger.warning(
+                    "prefix cache: cannot write to the cache (%s; %d times so far); "
+                    "hits are still served",
+                    exc,
+                    failures,
+                )
 
     def _record_use(self, key: str, name: str) -> None:
         self._store.touch(key, self._clock())

@@ -64,6 +64,7 @@ def test_every_v1_route_needs_a_valid_key(stack_factory: Callable[..., Stack]) -
             response = httpx.request(method, f"{stack.url}{path}", headers=headers, json={})
             assert response.status_code == 401, (method, path, headers)
             assert response.json()["error"]["type"] == "invalid_api_key"
+            assert response.headers["WWW-Authenticate"] == "Bearer"
     assert httpx.get(f"{stack.url}/healthz").status_code == 200
     assert httpx.get(f"{stack.url}/v1/models", headers=bearer("k2")).status_code == 200
     with pytest.raises(openai.AuthenticationError):
@@ -120,3 +121,33 @@ def test_a_key_warms_into_its_own_namespace_and_sees_only_its_runs(
     theirs = wait(stack, "k2", submit(stack, "k2", question)["id"])
     assert mine["usage"]["cached_tokens"] > 0  # the whole document, warmed for k1
     assert theirs["usage"]["cached_tokens"] == 0
+
+
+def test_the_key_is_checked_before_the_body_is_read(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory(workers=0, api_keys=["k1"])
+    url = f"{stack.url}/v1/jobs"
+    headers = {"Content-Type": "application/json"}
+    assert httpx.post(url, content=b"{not json", headers=headers).status_code == 401
+    huge = b"x" * (stack.settings.api.max_body_bytes + 1)
+    assert httpx.post(url, content=huge, headers=headers).status_code == 401
+    assert (
+        httpx.post(url, content=b"{not json", headers={**headers, **bearer("k1")}).status_code
+        == 400
+    )
+
+
+def test_docs_need_a_key_unless_opened(stack_factory: Callable[..., Stack]) -> None:
+    closed = stack_factory(workers=0, api_keys=["k1"])
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert httpx.get(f"{closed.url}{path}").status_code == 401, path
+        assert httpx.get(f"{closed.url}{path}", headers=bearer("k1")).status_code == 200, path
+    opened = stack_factory(workers=0, api_keys=["k1"], api={"open_docs": True})
+    assert httpx.get(f"{opened.url}/openapi.json").status_code == 200
+    assert httpx.get(f"{opened.url}/v1/models").status_code == 401
+
+
+def test_cache_report_shows_no_paths(stack: Stack) -> None:
+    report = httpx.get(f"{stack.url}/v1/cache").json()
+    assert "dir" not in report
+    assert str(stack.settings.cache_dir) not in httpx.get(f"{stack.url}/v1/cache").text
+    assert report["enabled"] is True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,14 @@ def assert_error(response: httpx.Response, status: int, field: str | None) -> st
         ({"prompt": "hi", "stop": [""]}, "stop"),
         ({"prompt": "hi", "stop": 7}, "stop"),
         ({"prompt": "hi", "colour": "blue"}, "colour"),
+        # Strict types: JSON's own type or nothing, never a conversion.
+        ({"prompt": "hi", "max_tokens": "4"}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 4.0}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "hi", "temperature": "0.5"}, "temperature"),
+        ({"prompt": "hi", "seed": False}, "seed"),
+        ({"prompt": "hi", "path": "/etc"}, "path"),
+        ({"prompt": "hi", "body": 1}, "body"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
         ({"messages": []}, "messages"),
         ({"messages": "hi"}, "messages"),
@@ -147,3 +155,71 @@ def test_generated_requests_never_get_a_server_error(stack_factory: Callable[...
         timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_field_names_survive_unions_and_location_words(api: Stack) -> None:
+    response = httpx.post(f"{api.url}/v1/warm", json={"prompt": "hi", "path": "x"})
+    assert_error(response, 400, "path")
+    response = httpx.post(f"{api.url}/v1/completions", json={"prompt": [1, 2, 3]})
+    assert_error(response, 400, "prompt")
+    response = httpx.post(f"{api.url}/v1/completions", json={"prompt": "hi", "max_tokens": "9"})
+    assert_error(response, 400, "max_tokens")
+
+
+@pytest.mark.parametrize(
+    "content_type", [None, "application/x-www-form-urlencoded", "text/plain", "multipart/form-data"]
+)
+def test_a_body_that_is_not_declared_json_is_415(api: Stack, content_type: str | None) -> None:
+    # What curl sends with -d, and what a web page can send without a CORS preflight.
+    headers = {"Content-Type": content_type} if content_type else {}
+    response = httpx.post(f"{api.url}/v1/jobs", content=b'{"prompt": "Hello"}', headers=headers)
+    message = assert_error(response, 415, "Content-Type")
+    assert "Content-Type: application/json" in message
+    assert redis.Redis.from_url(api.settings.redis_url).keys("granary:job:*") == []
+
+
+def test_json_with_a_charset_is_json(api: Stack) -> None:
+    headers = {"Content-Type": "application/json; charset=utf-8"}
+    response = httpx.post(f"{api.url}/v1/jobs", content=b'{"prompt": "Hi"}', headers=headers)
+    assert response.status_code == 202, response.text
+
+
+def _chunks(total: int, size: int = 1 << 20) -> Iterator[bytes]:
+    yield b'{"prompt": "'
+    for _ in range(total // size):
+        yield b"a" * size
+    yield b'"}'
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(api: Stack) -> None:
+    limit = api.settings.api.max_body_bytes
+    big = b'{"prompt": "' + b"a" * limit + b'"}'
+    assert_error(post(api, content=big), 413, None)
+    # Chunked: no Content-Length up front, counted as it arrives.
+    headers = {"Content-Type": "application/json"}
+    response = httpx.post(
+        f"{api.url}/v1/jobs", content=_chunks(limit + (1 << 20)), headers=headers, timeout=30
+    )
+    assert_error(response, 413, None)
+    # Just under the limit is read and judged on its content (too long for the context).
+    fits = b'{"prompt": "' + b"a " * ((limit - 20) // 2) + b'"}'
+    response = httpx.post(f"{api.url}/v1/jobs", content=fits, headers=headers, timeout=30)
+    assert response.json()["error"]["type"] == "context_length_exceeded"
+    assert "at least" in response.json()["error"]["message"]  # refused without tokenizing
+    # The API is still serving.
+    assert httpx.get(f"{api.url}/healthz").status_code == 200
+
+
+def test_an_idempotency_key_reused_with_another_body_is_422(api: Stack) -> None:
+    url = f"{api.url}/v1/jobs"
+    headers = {"Idempotency-Key": "order-17"}
+    first = httpx.post(url, json={"prompt": "hi", "seed": 1}, headers=headers).json()
+    again = [httpx.post(url, json={"seed": 1, "prompt": "hi"}, headers=headers) for _ in range(19)]
+    assert {r.status_code for r in again} == {202}
+    assert {r.json()["id"] for r in again} == {first["id"]}
+    other = httpx.post(url, json={"prompt": "bye", "seed": 1}, headers=headers)
+    assert_error(other, 422, "Idempotency-Key")
+    client = redis.Redis.from_url(api.settings.redis_url)
+    assert client.llen("rq:queue:interactive") == 1
+    submitted = client.hget("granary:metrics:counters", "jobs_submitted")
+    assert submitted is not None and int(submitted) == 1

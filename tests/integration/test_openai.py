@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import openai
@@ -157,3 +158,40 @@ def test_a_client_that_disconnects_cancels_its_job(stack: Stack) -> None:
         first = next(line for line in lines if line.startswith("data: {") and '"text":"' in line)
         job_id = first.split('"id":"cmpl-')[1].split('"')[0]
     wait_until_cancelled(stack, job_id)
+
+
+def test_message_shapes_of_current_clients(stack: Stack) -> None:
+    """Text parts, `name` and the `developer` role render as the plain shapes they stand for."""
+    api = client(stack)
+
+    def prompt_tokens(messages: list[dict[str, Any]]) -> int:
+        reply = api.chat.completions.create(
+            model="x",
+            messages=messages,
+            max_tokens=1,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        assert reply.usage is not None
+        return reply.usage.prompt_tokens
+
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "A\nB"}]
+    shaped = [
+        {"role": "developer", "content": "Be brief."},
+        {
+            "role": "user",
+            "name": "ann",
+            "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}],
+        },
+    ]
+    assert prompt_tokens(shaped) == prompt_tokens(plain)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(
+            model="x",
+            messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}],  # type: ignore[list-item]
+        )
+    body = refused.value.body
+    assert isinstance(body, dict)
+    error = body.get("error", body)
+    assert error["field"] == "messages.0.content.1"
+    assert "image_url" in error["message"]

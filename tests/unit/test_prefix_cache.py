@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import random
+import subprocess
 from collections import Counter
 from multiprocessing.synchronize import Event
 from pathlib import Path
@@ -689,6 +690,61 @@ def test_read_only_directory(tmp_path: Path, caplog: pytest.LogCaptureFixture) -
         assert cache.lookup([*P, 1]) is None
     finally:
         root.chmod(0o755)
+
+
+class FreezableStore(MemoryBlobStore):
+    """Writable until frozen; then every write fails as on a read-only mount."""
+
+    frozen = False
+
+    def _check(self) -> None:
+        if self.frozen:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    def put(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        self._check()
+        super().put(key, data, durable=durable)
+
+    def touch(self, key: str, mtime_s: float) -> bool:
+        self._check()
+        return super().touch(key, mtime_s)
+
+    def delete(self, key: str) -> bool:
+        self._check()
+        return super().delete(key)
+
+
+def test_hits_survive_a_cache_that_cannot_be_written(caplog: pytest.LogCaptureFixture) -> None:
+    store = FreezableStore()
+    cache = saved(True, P, store=store)
+    store.frozen = True
+    with caplog.at_level(logging.WARNING, logger="shared.prefix_cache"):
+        hits = [cache.lookup([*P, 1]) for _ in range(3)]
+    assert all(hit is not None and hit.n_tokens == 20 for hit in hits)
+    assert cache.stats().hits == 3
+    # Reported once, not at every hit.
+    assert caplog.text.count("cannot write to the cache") == 1
+
+
+def _chattr(flag: str, root: Path) -> bool:
+    paths = [root, *root.rglob("*")]
+    return subprocess.run(["chattr", flag, *map(str, paths)], capture_output=True).returncode == 0
+
+
+def test_hits_survive_an_immutable_cache_directory(tmp_path: Path) -> None:
+    """A real directory whose files and folders are immutable (chattr +i: even root cannot
+    write, touch or delete them), as when an operator freezes a warmed cache."""
+    cache = saved(True, P, store=DirectoryBlobStore(tmp_path / "kv"))
+    if not _chattr("+i", tmp_path / "kv"):
+        if os.environ.get("CI"):
+            pytest.fail("chattr +i failed: CI must run this test (root, ext4/xfs/tmpfs)")
+        pytest.skip("chattr +i needs root and a file system that supports it")
+    try:
+        hit = cache.lookup([*P, 1])
+        assert hit is not None and hit.n_tokens == 20 and hit.state == state_for(P)
+        assert cache.save([*P, 41], state_for([*P, 41])) is False
+    finally:
+        _chattr("-i", tmp_path / "kv")
 
 
 def test_unwritable_path_on_real_file_system(tmp_path: Path) -> None:
