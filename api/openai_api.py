@@ -23,7 +23,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.auth import authenticate, owner_of
 from api.state import AppState, state_of
 from shared.errors import InvalidRequest, ServiceUnavailable
-from shared.schemas import MAX_STOP_SEQUENCES, JobRequest, JobStatus, JobView, Message, Text
+from shared.schemas import (
+    MAX_STOP_SEQUENCES,
+    SPECIAL_TOKENS,
+    JobRequest,
+    JobStatus,
+    JobView,
+    Message,
+    Text,
+)
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(authenticate)])
 
@@ -72,6 +80,9 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: Text | list[Text]
+    # granary's own: as on `POST /v1/jobs`, the prompt's control-token text stays plain text
+    # unless asked for (clients send it as an extra body field).
+    special_tokens: bool = Field(False, description=SPECIAL_TOKENS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -89,7 +100,7 @@ class CompletionRequest(_Common):
             if len(prompt) != 1:
                 raise InvalidRequest("send one prompt per request", field="prompt")
             prompt = prompt[0]
-        return JobRequest(prompt=prompt, **self.sampling())
+        return JobRequest(prompt=prompt, special_tokens=self.special_tokens, **self.sampling())
 
 
 class ChatRequest(_Common):
