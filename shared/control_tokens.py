@@ -44,7 +44,7 @@ class ControlTokens:
         self.texts = frozenset(t for t in texts if t)
         trie = _trie_pattern(self.texts)
         self._find = re.compile(trie) if trie else None
-        self._hidden = re.compile("|".join([re.escape(_RESERVED), *([trie] if trie else [])]))
+        self._to_hide = re.compile("|".join([re.escape(_RESERVED), *([trie] if trie else [])]))
         # Group 1: a sentinel's name; group 2: a control token.
         self._revealed = re.compile("|".join([_SENTINEL, f"({trie})" if trie else "(?!)()"]))
         self._prefixes = {t[:k] for t in self.texts for k in range(1, len(t))}
@@ -83,7 +83,7 @@ class ControlTokens:
         parts = [
             text[:lead],
             sentinel(core[:start]) if start else "",
-            self._hidden.sub(lambda m: sentinel(m.group()), middle),
+            self._to_hide.sub(lambda m: sentinel(m.group()), middle),
             sentinel(core[len(core) - end :]) if end else "",
             text[lead + len(core) :],
         ]
@@ -123,7 +123,7 @@ class Concealer:
     """Hides supplied text while a template renders, then puts it back as plain text."""
 
     controls: ControlTokens
-    _hidden: list[str] = field(default_factory=list)
+    _originals: list[str] = field(default_factory=list)
 
     def hide(self, text: str) -> str:
         return self.controls.hide(text, self._sentinel)
@@ -148,7 +148,7 @@ class Concealer:
                 spans.append((length, length + len(control)))
                 piece = control
             elif name.isdigit():
-                piece = self._hidden[int(name)]
+                piece = self._originals[int(name)]
             else:
                 marks[name] = length
                 piece = ""
@@ -158,8 +158,8 @@ class Concealer:
         return Revealed("".join(out), spans, marks)
 
     def _sentinel(self, text: str) -> str:
-        self._hidden.append(text)
-        return self.mark(str(len(self._hidden) - 1))
+        self._originals.append(text)
+        return self.mark(str(len(self._originals) - 1))
 
 
 def tokenize(llama: Llama, text: str, control_spans: Sequence[Span], add_bos: bool) -> list[int]:
