@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.errors import InvalidRequest
-from shared.schemas import MAX_STOP_SEQUENCES, JobRequest, Message, Text
+from shared.schemas import MAX_STOP_SEQUENCES, SPECIAL_TOKENS, JobRequest, Message, Text
 
 
 class StreamOptions(BaseModel):
@@ -98,6 +98,9 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: Text | list[Text]
+    # granary's own: as on `POST /v1/jobs`, the prompt's control-token text stays plain text
+    # unless asked for (clients send it as an extra body field).
+    special_tokens: bool = Field(False, description=SPECIAL_TOKENS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -115,7 +118,7 @@ class CompletionRequest(_Common):
             if len(prompt) != 1:
                 raise InvalidRequest("send one prompt per request", field="prompt")
             prompt = prompt[0]
-        return JobRequest(prompt=prompt, **self.sampling())
+        return JobRequest(prompt=prompt, special_tokens=self.special_tokens, **self.sampling())
 
 
 class ChatRequest(_Common):

@@ -16,6 +16,8 @@ from typing import Any
 from llama_cpp import Llama
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+from shared import control_tokens
+from shared.control_tokens import Concealer, ControlTokens
 from shared.errors import InvalidRequest, ModelUnavailable
 from shared.models import resolve_model
 from shared.schemas import (
@@ -29,8 +31,8 @@ from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Marks the end of a document's shared prefix while a chat template renders; never tokenized.
-_SPLIT = "\x00granary:prefix-end\x00"
+# Names the mark at the end of a document's shared prefix while a chat template renders.
+_PREFIX_END = "prefix-end"
 
 
 def load_llama(settings: Settings, *, vocab_only: bool = False) -> Llama:
@@ -76,19 +78,31 @@ def _special_text(llama: Llama, token: int) -> str:
 
 
 def render_prompt(llama: Llama, request: JobRequest) -> RenderedPrompt:
-    """The text the model reads for `request`: a raw prompt as is, messages via the template."""
+    """The text the model reads for `request`: a raw prompt as is, messages via the template.
+
+    Only the template's own markers become control tokens; a raw prompt's control-token text
+    does only when the request asks for it (`special_tokens`).
+    """
     if request.document is not None:
         return render_document(llama, request, question=request.prompt or "")
     if request.prompt is not None:
-        return RenderedPrompt(text=request.prompt, add_bos=True)
-    return _render_chat(llama, [m.model_dump() for m in request.messages or []], "messages")
+        spans = ControlTokens.of(llama).spans(request.prompt) if request.special_tokens else []
+        return RenderedPrompt(text=request.prompt, add_bos=True, control_spans=spans)
+    concealer = Concealer(ControlTokens.of(llama))
+    messages = [
+        {**m.model_dump(), "content": concealer.hide(m.content)} for m in request.messages or []
+    ]
+    return _revealed(llama, concealer, _render_chat(llama, messages, "messages"))
 
 
 def render_warm(llama: Llama, item: WarmItem) -> RenderedPrompt:
     """What a warm job computes: a document's shared prefix, or a whole prompt."""
     if item.document is not None:
         return render_document(llama, item, question="")
-    return render_prompt(llama, JobRequest(prompt=item.prompt, messages=item.messages))
+    request = JobRequest(
+        prompt=item.prompt, messages=item.messages, special_tokens=item.special_tokens
+    )
+    return render_prompt(llama, request)
 
 
 def render_document(llama: Llama, fields: DocumentFields, question: str) -> RenderedPrompt:
@@ -98,25 +112,26 @@ def render_document(llama: Llama, fields: DocumentFields, question: str) -> Rend
     position is the prefix end: so the prefix text is identical for every question (and for
     the warmer, which renders an empty one).
     """
-    document = fields.document or ""
-    if _SPLIT in document or _SPLIT in question:
-        raise InvalidRequest("text contains a reserved control sequence", field="document")
-    body = (fields.template or DOCUMENT_PLACEHOLDER).replace(DOCUMENT_PLACEHOLDER, document)
-    user = f"{body}{_SPLIT}\n\n{question}"
+    concealer = Concealer(ControlTokens.of(llama))
+    # The template and document join before hiding: together they must not make a control token.
+    body = (fields.template or DOCUMENT_PLACEHOLDER).replace(
+        DOCUMENT_PLACEHOLDER, fields.document or ""
+    )
+    user = f"{concealer.hide(body)}{concealer.mark(_PREFIX_END)}\n\n{concealer.hide(question)}"
+    instructions = concealer.hide(fields.instructions) if fields.instructions else None
     if llama.metadata.get("tokenizer.chat_template"):
-        messages = (
-            [{"role": "system", "content": fields.instructions}] if fields.instructions else []
-        )
-        rendered = _render_chat(llama, [*messages, {"role": "user", "content": user}], "document")
+        messages = [{"role": "system", "content": instructions}] if instructions else []
+        text = _render_chat(llama, [*messages, {"role": "user", "content": user}], "document")
     else:  # a base model reads plain text
-        head = f"{fields.instructions}\n\n" if fields.instructions else ""
-        rendered = RenderedPrompt(text=f"{head}{user}\n", add_bos=True)
-    split = rendered.text.index(_SPLIT)
-    text = rendered.text[:split] + rendered.text[split + len(_SPLIT) :]
-    return RenderedPrompt(text=text, add_bos=rendered.add_bos, prefix_chars=split)
+        head = f"{instructions}\n\n" if instructions else ""
+        text = f"{head}{user}\n"
+    rendered = _revealed(llama, concealer, text)
+    if rendered.prefix_chars is None:
+        raise InvalidRequest("the chat template dropped the document", field="document")
+    return rendered
 
 
-def _render_chat(llama: Llama, messages: list[dict[str, Any]], field: str) -> RenderedPrompt:
+def _render_chat(llama: Llama, messages: list[dict[str, Any]], field: str) -> str:
     template = llama.metadata.get("tokenizer.chat_template")
     if not template:
         raise InvalidRequest("this model has no chat template; send 'prompt'", field=field)
@@ -124,12 +139,22 @@ def _render_chat(llama: Llama, messages: list[dict[str, Any]], field: str) -> Re
     eos = _special_text(llama, llama.token_eos())
     formatter = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
     try:
-        text = formatter(messages=messages).prompt  # type: ignore[arg-type]
+        return formatter(messages=messages).prompt  # type: ignore[arg-type]
     except Exception as exc:  # jinja raises many types; the template rejected these messages
         raise InvalidRequest(f"chat template rejected the {field}: {exc}", field=field) from exc
+
+
+def _revealed(llama: Llama, concealer: Concealer, text: str) -> RenderedPrompt:
+    revealed = concealer.reveal(text)
+    bos = _special_text(llama, llama.token_bos())
     # Templates that write the BOS token themselves must not get a second one.
-    add_bos = not (bos and text.startswith(bos))
-    return RenderedPrompt(text=text, add_bos=add_bos)
+    wrote_bos = bool(bos) and revealed.control_spans[:1] == [(0, len(bos))]
+    return RenderedPrompt(
+        text=revealed.text,
+        add_bos=not (wrote_bos and revealed.text.startswith(bos)),
+        prefix_chars=revealed.marks.get(_PREFIX_END),
+        control_spans=revealed.control_spans,
+    )
 
 
 def tokenize(llama: Llama, prompt: RenderedPrompt) -> list[int]:
@@ -143,9 +168,9 @@ def tokenize_parts(llama: Llama, prompt: RenderedPrompt) -> tuple[list[int], int
     depend on the text that follows.
     """
     if prompt.prefix_chars is None:
-        return _tokens(llama, prompt.text, prompt.add_bos), None
-    head = _tokens(llama, prompt.text[: prompt.prefix_chars], prompt.add_bos)
-    tail = _tokens(llama, prompt.text[prompt.prefix_chars :], False)
+        spans = _control_spans(llama, prompt)
+        return control_tokens.tokenize(llama, prompt.text, spans, prompt.add_bos), None
+    head, tail = _split_tokens(llama, prompt, prompt.prefix_chars)
     return head + tail, len(head)
 
 
@@ -161,12 +186,27 @@ def document_prompts(
     tails = []
     for question in questions:
         rendered = render_document(llama, fields, question)
-        split = rendered.prefix_chars or 0
-        if prefix is None:
-            prefix = _tokens(llama, rendered.text[:split], rendered.add_bos)
-        tails.append(_tokens(llama, rendered.text[split:], False))
+        head, tail = _split_tokens(llama, rendered, rendered.prefix_chars or 0, head=prefix is None)
+        prefix = head if prefix is None else prefix
+        tails.append(tail)
     return prefix or [], tails
 
 
-def _tokens(llama: Llama, text: str, add_bos: bool) -> list[int]:
-    return llama.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
+def _split_tokens(
+    llama: Llama, prompt: RenderedPrompt, split: int, *, head: bool = True
+) -> tuple[list[int], list[int]]:
+    """The tokens before `split` (unless `head` is false: empty) and after it, apart."""
+    spans = _control_spans(llama, prompt)
+    before = [s for s in spans if s[1] <= split]
+    after = [(start - split, end - split) for start, end in spans if start >= split]
+    assert len(before) + len(after) == len(spans), "a control token straddles the prefix end"
+    return (
+        control_tokens.tokenize(llama, prompt.text[:split], before, prompt.add_bos) if head else [],
+        control_tokens.tokenize(llama, prompt.text[split:], after, False),
+    )
+
+
+def _control_spans(llama: Llama, prompt: RenderedPrompt) -> list[tuple[int, int]]:
+    if prompt.control_spans is None:  # recorded before spans were: read as it was then
+        return ControlTokens.of(llama).spans(prompt.text)
+    return prompt.control_spans

@@ -73,6 +73,12 @@ class SamplingParams(BaseModel):
 
 
 DOCUMENT_PLACEHOLDER = "{document}"
+SPECIAL_TOKENS = (
+    "Read control-token text in a plain `prompt` (e.g. `<|im_start|>`) as the model's control "
+    "tokens. Default false: all text a request supplies (prompt, messages, document, "
+    "instructions, template, questions) is plain text; only the chat template's own markers "
+    "are control tokens."
+)
 
 
 class DocumentFields(BaseModel):
@@ -109,6 +115,7 @@ class JobRequest(SamplingParams, DocumentFields):
 
     prompt: Text | None = None
     messages: list[Message] | None = Field(None, min_length=1)
+    special_tokens: bool = Field(False, description=SPECIAL_TOKENS)
     # Draft tokens from the prompt and past outputs and verify them in one pass: `auto` keeps
     # it on only while it is faster. None: the server's default (`jobs.speculation`).
     speculation: Speculation | None = None
@@ -120,7 +127,13 @@ class JobRequest(SamplingParams, DocumentFields):
         if self.document is not None and self.messages is not None:
             raise ValueError("with 'document', ask the question in 'prompt', not 'messages'")
         self._check_document_fields()
+        _check_special_tokens(self)
         return self
+
+
+def _check_special_tokens(request: JobRequest | WarmItem) -> None:
+    if request.special_tokens and (request.prompt is None or request.document is not None):
+        raise ValueError("'special_tokens' applies to a plain 'prompt' (no 'messages', 'document')")
 
 
 QuestionId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
@@ -179,6 +192,12 @@ class RenderedPrompt(BaseModel):
     # its tokens are the same whatever follows, and prefill ends a chunk there, so its cached
     # state is restorable in full.
     prefix_chars: int | None = None
+    # The character spans the chat template wrote as control tokens (or, for a raw prompt
+    # sent with `special_tokens`, the prompt's control-token text): only these are tokenized
+    # as control tokens; everything else is plain text, whatever it contains. None: a job
+    # recorded before spans were (queued across an upgrade, or re-run after a crash), whose
+    # text is read as it was then, every control-token text a control token.
+    control_spans: list[tuple[int, int]] | None = None
 
 
 class WarmItem(DocumentFields):
@@ -193,6 +212,7 @@ class WarmItem(DocumentFields):
     name: Text | None = Field(None, max_length=200)
     prompt: Text | None = Field(None, min_length=1)
     messages: list[Message] | None = Field(None, min_length=1)
+    special_tokens: bool = Field(False, description=SPECIAL_TOKENS)
 
     @model_validator(mode="after")
     def _one_input(self) -> WarmItem:
@@ -200,6 +220,7 @@ class WarmItem(DocumentFields):
         if len(given) != 1:
             raise ValueError("give exactly one of 'prompt', 'messages' or 'document'")
         self._check_document_fields()
+        _check_special_tokens(self)
         return self
 
 
