@@ -11,13 +11,14 @@ import uuid
 from llama_cpp import Llama
 from redis import Redis
 
-from shared import keys
+from shared import documents, keys
 from shared.errors import ContextOverflow, InvalidRequest
 from shared.job_store import JobStore
 from shared.llm import document_prompts, render_prompt, tokenize
 from shared.queues import RUN_EXTRACT, RUN_JOB, enqueue, queue
 from shared.schemas import (
     DocumentFields,
+    DocumentReport,
     ExtractionRequest,
     ExtractOrder,
     JobKind,
@@ -122,12 +123,14 @@ class Submitter:
         owner: str | None = None,
     ) -> JobView:
         """A generation job, or an extraction job (many questions about one document)."""
-        order = self._order(request)
+        document = self._normalized(request)
+        order = self._order(request if document is None else document[0])
         kind: JobKind = "extract" if isinstance(order, ExtractOrder) else "generate"
         if self._settings.cache.per_key and owner is not None:
             order = order.model_copy(update={"cache_namespace": owner})
         job_id = uuid.uuid4().hex
-        view = self._store.create(job_id, queue_name, order, owner, kind=kind)
+        report = None if document is None else document[1]
+        view = self._store.create(job_id, queue_name, order, owner, kind=kind, document=report)
         if idempotency_key is not None:
             # Scoped by owner: one key's idempotency keys never reach another's jobs.
             existing = self._claim_idempotency_key(f"{owner or ''}:{idempotency_key}", job_id)
@@ -137,6 +140,15 @@ class Submitter:
         function = RUN_EXTRACT if kind == "extract" else RUN_JOB
         enqueue(self._redis, queue_name, function, job_id, self._settings)
         return view
+
+    def _normalized(
+        self, request: JobRequest | ExtractionRequest
+    ) -> tuple[JobRequest | ExtractionRequest, DocumentReport] | None:
+        """The request with its document normalised (`document_format`), and the report."""
+        changed, result = documents.normalized(request)
+        if result is None:
+            return None
+        return changed, documents.report(self._tokenizer, request.document or "", result)
 
     def _order(self, request: JobRequest | ExtractionRequest) -> WorkOrder | ExtractOrder:
         jobs = self._settings.jobs

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends, Query
 
 from api.deps import Owner, State, authenticate
 from api.state import AppState
+from shared.documents import normalized
 from shared.errors import CacheDisabled, ContextOverflow
 from shared.llm import render_warm, tokenize
 from shared.schemas import WarmItem, WarmRequest
@@ -23,7 +24,7 @@ def warm(body: WarmRequest, state: State, owner: Owner) -> WarmRunView:
     """
     if state.cache is None:
         raise CacheDisabled("the prefix cache is disabled (cache.enabled): nothing to warm")
-    items = body.items()
+    items = [normalized(item)[0] for item in body.items()]
     for item in items:
         _check_fits(state, item)
     namespace = owner if state.settings.cache.per_key else None

@@ -15,7 +15,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import get_args
 
 from shared.errors import InvalidRequest
 from shared.normalize.blocks import Block
@@ -23,7 +23,6 @@ from shared.normalize.check import count_facts, missing_facts
 from shared.normalize.delimited import delimited_blocks
 from shared.normalize.detect import (
     INPUT_TYPES,
-    InputType,
     check_declared,
     check_textual,
     delimiter,
@@ -35,8 +34,9 @@ from shared.normalize.html import html_blocks
 from shared.normalize.markdown import markdown_blocks
 from shared.normalize.plain import plain_blocks
 from shared.normalize.render import Line, text_lines
+from shared.schemas import DocumentFormat
+from shared.schemas import DocumentType as InputType
 
-DocumentFormat = Literal["raw", "text", "facts"]
 FORMATS: tuple[DocumentFormat, ...] = get_args(DocumentFormat)
 # Normalising runs in the API's request path: larger documents are refused, not parsed.
 MAX_CHARS = 5_000_000

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import csv
 import re
-from typing import Literal, get_args
+from typing import get_args
 
 from shared.errors import InvalidRequest
 from shared.normalize.delimited import delimited_rows
+from shared.schemas import DocumentType as InputType
 
-InputType = Literal["text", "html", "markdown", "csv", "tsv"]
 INPUT_TYPES: tuple[InputType, ...] = get_args(InputType)
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f]")
