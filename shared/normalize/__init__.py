@@ -100,14 +100,15 @@ def normalize(
         lines = rules[used](blocks)
         output = "\n".join(line.text for line in guard(lines))
         lost = missing_facts(units, output)
-        if not lost:
-            if not output.strip():
-                raise InvalidRequest(
-                    f"document has no text left as document_format {format!r} (read as {kind})",
-                    field="document",
-                )
+        if lost:
+            missing = missing or tuple(lost)
+        elif output.strip():  # (facts of a page of filler is empty: text it is, then)
             return Normalized(output, format, used, kind, _report(lines, units), missing)
-        missing = missing or tuple(lost)
+    if not missing:
+        raise InvalidRequest(
+            f"document has no text left as document_format {format!r} (read as {kind})",
+            field="document",
+        )
     return Normalized(text, format, "raw", kind, {"facts_checked": count_facts(units)}, missing)
 
 
