@@ -154,3 +154,16 @@ def test_granary_normalize_prints_the_text_and_token_counts(
         timeout=120,
     )
     assert bad.returncode == 1 and "document_type is 'csv'" in bad.stderr
+
+
+def test_a_bad_batch_item_fails_alone(api: Stack) -> None:
+    good = {"custom_id": "good", **extraction(HOTEL, document_format="facts")}
+    bad = {"custom_id": "bad", **extraction("\x00binary", document_format="facts")}
+    response = httpx.post(f"{api.url}/v1/batches", json={"items": [good, bad]})
+    assert response.status_code == 202, response.text
+    lines = httpx.get(f"{api.url}/v1/batches/{response.json()['id']}/results").text.splitlines()
+    results = {r["custom_id"]: r for r in map(orjson.loads, lines)}
+    assert results["good"]["status"] == "queued"
+    assert results["bad"]["status"] == "failed" and "binary" in results["bad"]["error"]
+    order = stack_order(api, results["good"]["job_id"])
+    assert order["document"]["document"] == normalize(HOTEL, "facts").text
