@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shared.errors import InvalidRequest
 from shared.normalize import normalize
 from shared.normalize.entities import canonical, contains
 
@@ -190,3 +191,36 @@ def test_csv_keeps_every_cell(rows: list[tuple[str, str, str]]) -> None:
     doc = Doc(values=[v for _, b, c in rows for v in (b, c)])
     for fmt in ("text", "facts"):
         assert_kept(doc, "\n".join(lines) + "\n", fmt)
+
+
+PIECES = st.sampled_from(
+    [
+        *["<p>", "</p>", "<table>", "<tr>", "<td>", "|", "---", "# ", "- ", ",", "\t", "\n"],
+        *["\f", '"', "12 EUR", "not", "Price: ", "-\n", "<script>", "```", "[a](http://x.y)"],
+        *["\n\n", "\r", "\u00a0", "\u200b", " "],
+    ]
+)
+ANY_TEXT = st.characters(exclude_categories=["Cs"])
+MIXED = st.one_of(
+    st.text(ANY_TEXT, max_size=300),
+    st.lists(st.one_of(PIECES, st.text(ANY_TEXT, max_size=8)), max_size=60).map("".join),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    MIXED,
+    st.sampled_from(["text", "facts"]),
+    st.sampled_from([None, "text", "html", "markdown", "csv", "tsv"]),
+)
+def test_any_text_normalises_or_is_refused_naming_the_field(
+    text: str, fmt: str, declared: str | None
+) -> None:
+    # What the API turns into a 400; anything else raised here would be a 500.
+    try:
+        result = normalize(text, fmt, declared)  # type: ignore[arg-type]
+    except InvalidRequest as exc:
+        assert exc.field in ("document", "document_type")
+        return
+    assert result == normalize(text, fmt, declared)  # type: ignore[arg-type]
+    assert result.used == fmt or result.used in ("text", "raw")
