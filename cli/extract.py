@@ -27,7 +27,7 @@ def extract_from_cli(args: argparse.Namespace, settings: Settings) -> int:
         body["questions"] = [{"id": str(i + 1), "question": q} for i, q in enumerate(args.question)]
     else:
         raise InvalidRequest("give --question (one or more) or --fields FILE")
-    for name in ("instructions", "max_tokens", "temperature"):
+    for name in ("instructions", "max_tokens", "temperature", "document_format", "document_type"):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
     job = client.extract(body)
@@ -61,6 +61,8 @@ def batch_from_cli(args: argparse.Namespace, settings: Settings) -> int:
     client = GranaryClient.from_settings(settings, args.url)
     lines = Path(args.items).read_bytes().splitlines()
     items = [orjson.loads(line) for line in lines if line.strip()]
+    if args.document_format is not None:  # a default: an item's own format wins
+        items = [{"document_format": args.document_format, **item} for item in items]
     batch = client.batch({"items": items})
     batch = _follow_batch(client, batch)
     with open(args.output, "wb") as out:

@@ -6,12 +6,28 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import get_args
 
 import httpx
 from pydantic import ValidationError
 
 from shared.errors import GranaryError
+from shared.schemas import DocumentFormat, DocumentType
 from shared.settings import Settings, load_settings
+
+FORMATS = get_args(DocumentFormat)
+TYPES = get_args(DocumentType)
+
+
+def _document_options(parser: argparse.ArgumentParser, *, with_type: bool = True) -> None:
+    parser.add_argument(
+        "--document-format",
+        choices=FORMATS,
+        default=None,
+        help="send the document as is (raw), as clean text, or as one fact per line",
+    )
+    if with_type:
+        parser.add_argument("--document-type", choices=TYPES, default=None, help="else detected")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,16 +49,25 @@ def _parser() -> argparse.ArgumentParser:
     extract.add_argument("--max-tokens", type=int, default=None, help="per answer")
     extract.add_argument("--temperature", type=float, default=None)
     extract.add_argument("--url", default=None, help="API base URL (default: from settings)")
+    _document_options(extract)
     batch = sub.add_parser("batch", help="run a JSON Lines file of extraction requests")
     batch.add_argument("items", help='JSONL: {"custom_id", "document", "questions"|"fields"…}')
     batch.add_argument("-o", "--output", required=True, help="results, JSON Lines")
     batch.add_argument("--url", default=None, help="API base URL (default: from settings)")
+    _document_options(batch, with_type=False)
     warm = sub.add_parser("warm", help="warm documents now (through the API)")
     warm.add_argument("files", nargs="+", help="document files (UTF-8 text)")
     warm.add_argument("--instructions", help="the instructions requests send with them")
     warm.add_argument("--template", help="the template requests send with them ({document})")
     warm.add_argument("--no-wait", action="store_true", help="print the run id and return")
     warm.add_argument("--url", default=None, help="API base URL (default: from settings)")
+    _document_options(warm)
+    normalize = sub.add_parser(
+        "normalize", help="print a document as a document_format reads it, with token counts"
+    )
+    normalize.add_argument("file", help="the document (UTF-8), or - for standard input")
+    normalize.add_argument("--format", choices=FORMATS[1:], default="facts")
+    normalize.add_argument("--type", choices=TYPES, default=None, help="else detected")
     sub.add_parser("prepare", help="provision the configured model and print its path")
     cache = sub.add_parser("cache", help="inspect or manage the shared prefix cache")
     cache.add_argument("action", choices=["stats", "ls", "verify", "prune", "clear"])
@@ -119,6 +144,10 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         from cli.warm import warm_from_cli
 
         return warm_from_cli(args, settings)
+    elif args.command == "normalize":
+        from cli.normalize import normalize_from_cli
+
+        return normalize_from_cli(args, settings)
     elif args.command == "submit":
         from cli.client import submit_from_cli
 

@@ -20,7 +20,7 @@ def warm_from_cli(args: argparse.Namespace, settings: Settings) -> int:
     client = GranaryClient.from_settings(settings, args.url)
     paths = [Path(p) for p in args.files]
     body: dict[str, Any] = {"documents": [p.read_text(encoding="utf-8") for p in paths]}
-    for name in ("instructions", "template"):
+    for name in ("instructions", "template", "document_format", "document_type"):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
     run = client.warm(body)

@@ -18,6 +18,7 @@ from shared import codec, keys
 from shared.errors import JobNotFound
 from shared.schemas import (
     AnswerEvent,
+    DocumentReport,
     ExtractionResult,
     JobKind,
     JobResult,
@@ -31,7 +32,7 @@ from shared.schemas import (
 )
 from shared.scripts import Scripts
 
-_JSON_FIELDS = ("result", "warm", "extraction", "speculation", "usage", "timings")
+_JSON_FIELDS = ("result", "warm", "extraction", "speculation", "usage", "timings", "document")
 Order = TypeVar("Order", bound=BaseModel)
 
 
@@ -95,6 +96,7 @@ class JobStore:
         order: BaseModel,
         owner: str | None = None,
         kind: JobKind = "generate",
+        document: DocumentReport | None = None,
     ) -> JobView:
         record: dict[str, Any] = {
             "id": job_id,
@@ -107,6 +109,8 @@ class JobStore:
             "order": order.model_dump_json(),
             "owner": owner or "",
         }
+        if document is not None:
+            record["document"] = document.model_dump_json()
         with self._redis.pipeline() as pipe:
             # redis-py types `mapping` with an invariant key union no plain dict matches.
             pipe.hset(keys.job(job_id), mapping=record)  # type: ignore[arg-type]

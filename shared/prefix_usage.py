@@ -20,9 +20,10 @@ from shared.schemas import DocumentFields, WarmItem
 
 def prefix_id(item: WarmItem | DocumentFields, namespace: str | None) -> str:
     """Names a prefix by what renders it (whatever the model), within one cache namespace."""
-    fields = item.model_dump(include=set(WarmItem.model_fields) - {"name"}, exclude_none=True)
-    if not fields.get("special_tokens"):  # ids from before the flag existed stay the same
-        fields.pop("special_tokens", None)
+    # Defaults left out: a raw document keeps the id it had before document_format existed.
+    fields = item.model_dump(
+        include=set(WarmItem.model_fields) - {"name"}, exclude_none=True, exclude_defaults=True
+    )
     data = codec.dumps({"item": fields, "namespace": namespace})
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 

@@ -79,6 +79,10 @@ SPECIAL_TOKENS = (
     "instructions, template, questions) is plain text; only the chat template's own markers "
     "are control tokens."
 )
+# How a document is read before it is rendered (shared/normalize): as sent, as clean text, or
+# as one "label: value" fact per line.
+DocumentFormat = Literal["raw", "text", "facts"]
+DocumentType = Literal["text", "html", "markdown", "csv", "tsv"]
 
 
 class DocumentFields(BaseModel):
@@ -94,6 +98,11 @@ class DocumentFields(BaseModel):
     document: Text | None = Field(None, min_length=1)
     instructions: Text | None = None
     template: Text | None = None
+    # Normalised in the API before rendering; the normalised text is the prefix that is
+    # cached and warmed, and a job's order keeps it with the format used.
+    document_format: DocumentFormat = "raw"
+    # Detected when not given; a declared type the document does not fit is refused.
+    document_type: DocumentType | None = None
 
     @field_validator("template")
     @classmethod
@@ -105,6 +114,10 @@ class DocumentFields(BaseModel):
     def _check_document_fields(self) -> None:
         if self.document is None and (self.instructions is not None or self.template is not None):
             raise ValueError("'instructions' and 'template' need a 'document'")
+        if self.document is None and (
+            self.document_format != "raw" or self.document_type is not None
+        ):
+            raise ValueError("'document_format' and 'document_type' need a 'document'")
 
 
 class JobRequest(SamplingParams, DocumentFields):
@@ -318,6 +331,24 @@ class SpeculationReport(BaseModel):
     tie_replays: int = 0
 
 
+class DocumentReport(BaseModel):
+    """How a request's document was normalised (`document_format` text or facts)."""
+
+    format: DocumentFormat
+    # The format of the text used: `format`, or a safer one when the requested one failed
+    # the fact-preservation self-check (`missing` lists what it would have lost).
+    used: DocumentFormat
+    type: DocumentType
+    chars_before: int
+    chars_after: int
+    # The document alone, counted with the model's tokenizer.
+    tokens_before: int
+    tokens_after: int
+    # Lines output, lines dropped per reason, lines kept only for a fact, values checked.
+    kept: dict[str, int]
+    missing: list[str] = []
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -373,6 +404,8 @@ class JobView(BaseModel):
     speculation: SpeculationReport | None = None
     usage: Usage = Usage()
     timings: Timings = Timings()
+    # A normalised document: its format, type and token counts before and after.
+    document: DocumentReport | None = None
     error: str | None = None
 
 

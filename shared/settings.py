@@ -19,6 +19,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from shared.schemas import DocumentFormat, DocumentType
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_CONFIG_FILE = Path("granary.toml")
 
@@ -98,6 +100,9 @@ class WarmSpec(BaseModel):
     template: str | None = None
     # Files or glob patterns; relative ones from the spec file's directory (or the cwd).
     documents: list[str] = Field(min_length=1)
+    # As requests for these documents send them: the warmed prefix is the normalised text.
+    document_format: DocumentFormat = "raw"
+    document_type: DocumentType | None = None
 
 
 class WarmerSettings(BaseModel):

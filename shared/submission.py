@@ -13,13 +13,14 @@ import uuid
 from llama_cpp import Llama
 from redis import Redis
 
-from shared import codec, keys
+from shared import codec, documents, keys
 from shared.errors import ContextOverflow, IdempotencyConflict, InvalidRequest
 from shared.job_store import JobStore
 from shared.llm import document_prompts, render_prompt, render_warm, tokenize
 from shared.queues import RUN_EXTRACT, RUN_JOB, enqueue, queue
 from shared.schemas import (
     DocumentFields,
+    DocumentReport,
     ExtractionRequest,
     ExtractOrder,
     JobKind,
@@ -128,14 +129,18 @@ class Submitter:
         owner: str | None = None,
     ) -> JobView:
         """A generation job, or an extraction job (many questions about one document)."""
-        self._refuse_certain_overflow(request)
         with self._tokenizing:
-            order = self._order(request)
+            document = self._normalized(request)
+            used = request if document is None else document[0]
+            # After normalising: a page that reads short as facts is judged as facts.
+            self._refuse_certain_overflow(used)
+            order = self._order(used)
         kind: JobKind = "extract" if isinstance(order, ExtractOrder) else "generate"
         if self._settings.cache.per_key and owner is not None:
             order = order.model_copy(update={"cache_namespace": owner})
         job_id = uuid.uuid4().hex
-        view = self._store.create(job_id, queue_name, order, owner, kind=kind)
+        report = None if document is None else document[1]
+        view = self._store.create(job_id, queue_name, order, owner, kind=kind, document=report)
         if idempotency_key is not None:
             # Scoped by owner: one key's idempotency keys never reach another's jobs.
             scoped = f"{owner or ''}:{idempotency_key}"
@@ -182,6 +187,15 @@ class Submitter:
                     f"{field} is at least {at_least} tokens; the context window is {n_ctx} tokens",
                     field=field,
                 )
+
+    def _normalized(
+        self, request: JobRequest | ExtractionRequest
+    ) -> tuple[JobRequest | ExtractionRequest, DocumentReport] | None:
+        """The request with its document normalised (`document_format`), and the report."""
+        changed, result = documents.normalized(request)
+        if result is None:
+            return None
+        return changed, documents.report(self._tokenizer, request.document or "", result)
 
     def _order(self, request: JobRequest | ExtractionRequest) -> WorkOrder | ExtractOrder:
         jobs = self._settings.jobs

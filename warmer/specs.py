@@ -1,6 +1,8 @@
 """Declared warm specs: from settings and from a directory of TOML files, read at every run.
 
-Documents are read when a run starts, so files added since the last run are warmed too. A
+Documents are read when a run starts, so files added since the last run are warmed too, and
+normalised as the spec's `document_format` says (the warmer loads no model: normalising needs
+none). A
 spec that cannot be read (bad TOML, a missing or non-UTF-8 file) is reported in the run and
 skipped; it never stops the others.
 """
@@ -14,6 +16,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from shared.documents import normalized
+from shared.errors import InvalidRequest
 from shared.schemas import WarmItem
 from shared.settings import WarmerSettings, WarmSpec
 
@@ -61,12 +65,19 @@ def _expand(spec: WarmSpec, base: Path, found: DeclaredItems) -> None:
 def _add(spec: WarmSpec, path: Path, found: DeclaredItems) -> None:
     try:
         text = path.read_text(encoding="utf-8")
-        item = WarmItem(
-            name=f"{spec.name}:{path.name}",
-            document=text,
-            instructions=spec.instructions,
-            template=spec.template,
+        item, _ = normalized(
+            WarmItem(
+                name=f"{spec.name}:{path.name}",
+                document=text,
+                instructions=spec.instructions,
+                template=spec.template,
+                document_format=spec.document_format,
+                document_type=spec.document_type,
+            )
         )
+    except InvalidRequest as exc:  # a binary file, a declared type that does not fit
+        found.errors.append(f"spec {spec.name}: {path}: {exc.message}")
+        return
     except (OSError, UnicodeDecodeError, ValidationError) as exc:
         found.errors.append(f"spec {spec.name}: {path}: {exc}")
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Query
 
 from api.deps import Owner, State, authenticate
+from shared.documents import normalized
 from shared.errors import CacheDisabled
 from shared.schemas import WarmRequest
 from shared.warm_runs import WarmRunView
@@ -21,7 +22,7 @@ def warm(body: WarmRequest, state: State, owner: Owner) -> WarmRunView:
     """
     if state.cache is None:
         raise CacheDisabled("the prefix cache is disabled (cache.enabled): nothing to warm")
-    items = body.items()
+    items = [normalized(item)[0] for item in body.items()]
     for item in items:
         state.submitter.check_warm_fits(item)
     namespace = owner if state.settings.cache.per_key else None

@@ -73,6 +73,9 @@ def _run(line: str, stack: Stack, cwd: Path) -> subprocess.CompletedProcess[str]
 def test_shell_examples_run_as_pasted(stack_factory: Callable[..., Stack], tmp_path: Path) -> None:
     stack = stack_factory()
     (tmp_path / "question.txt").write_text("Name one colour.")
+    fixtures = REPO / "tests" / "fixtures" / "normalize"
+    (tmp_path / "page.html").write_text((fixtures / "hotel.html").read_text())
+    (tmp_path / "notes.md").write_text((fixtures / "guide.md").read_text())
     ran = 0
     for line in filter(runnable, shell_lines()):
         result = _run(line, stack, tmp_path)
@@ -83,7 +86,7 @@ def test_shell_examples_run_as_pasted(stack_factory: Callable[..., Stack], tmp_p
         if "--wait" in line:
             assert orjson.loads(result.stdout)["status"] == "finished"
         ran += 1
-    assert ran >= 8  # submit twice, curl, five cache commands
+    assert ran >= 11  # submit twice, curl, three document commands, five cache commands
 
 
 def test_python_examples_run_as_pasted(stack_factory: Callable[..., Stack]) -> None:

@@ -77,3 +77,23 @@ def test_warm_request_items() -> None:
 def test_bad_warm_requests_are_refused(body: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         WarmRequest.model_validate(body)
+
+
+def test_specs_warm_documents_as_their_format_reads_them(tmp_path: Path) -> None:
+    from shared.normalize import normalize
+
+    page = "<h1>Shop</h1><p>Nice place.</p><p>Open 9:00-18:00. No cards.</p><nav>Home</nav>"
+    write(tmp_path / "docs" / "shop.html", page)
+    write(tmp_path / "docs" / "bad.html", "no markup at all")
+    write(
+        tmp_path / "specs" / "pages.toml",
+        'documents = ["../docs/*.html"]\ndocument_format = "facts"\ndocument_type = "html"\n',
+    )
+    found = declared_items(WarmerSettings(spec_dir=tmp_path / "specs"), tmp_path)
+    [item] = found.items
+    assert (
+        item.document == normalize(page, "facts").text == "Shop: Open 9:00-18:00.\nShop: No cards."
+    )
+    assert (item.document_format, item.document_type) == ("facts", "html")
+    [error] = found.errors
+    assert "bad.html" in error and "document_type is 'html'" in error

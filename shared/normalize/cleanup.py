@@ -1,0 +1,113 @@
+"""Text clean-up: Unicode whitespace, invisible characters, words broken across lines, lines
+a PDF-to-text tool broke mid-sentence, and page headers and footers repeated on every page.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections import Counter
+from collections.abc import Callable
+
+_INVISIBLE = re.compile("[\u00ad\u200b\u200c\u200d\u2060\ufeff]")
+_SPACES = re.compile(r"[^\S\n]+")
+_BROKEN_WORD = re.compile(r"(?<![\w./@:-])([^\W\d_]+)-$")
+_DIGITS = re.compile(r"\d+")
+_BULLET = re.compile(r"^[-*•·‣▪◦]\s+")
+# "3. Contacts", "2) Pay": numbered lines stand alone but keep their number (it may be cited).
+_NUMBERED = re.compile(r"^\d{1,3}[.)]\s+")
+# A page header or footer repeats at least this often (without page breaks to go by).
+REPEATS = 3
+
+
+def inline(text: str) -> str:
+    """One line of text: NFC, no invisible characters, whitespace runs as one space."""
+    text = _INVISIBLE.sub("", unicodedata.normalize("NFC", text))
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def pages(text: str) -> list[list[str]]:
+    """Pages (split at form feeds) of lines, each cleaned; blank lines kept as ""."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = _INVISIBLE.sub("", unicodedata.normalize("NFC", text))
+    return [
+        [_SPACES.sub(" ", line).strip() for line in page.split("\n")] for page in text.split("\f")
+    ]
+
+
+def _mask(line: str) -> str:
+    return _DIGITS.sub("#", line)
+
+
+def repeated_furniture(page_lines: list[list[str]]) -> set[tuple[int, int]]:
+    """(page, line) positions of running headers and footers, all but their first occurrence.
+
+    With page breaks: a line (digits masked, so "Page 2 of 9" matches "Page 3 of 9") that is
+    the first or last of at least two pages. Without: a line with letters seen `REPEATS` times.
+    """
+    found: set[tuple[int, int]] = set()
+    if len(page_lines) > 1:
+        edges = [(p, i) for p, lines in enumerate(page_lines) for i in _edge_lines(lines)]
+        counts = Counter(_mask(page_lines[p][i]) for p, i in edges)
+        repeated = [(p, i) for p, i in edges if counts[_mask(page_lines[p][i])] > 1]
+    else:
+        lines = page_lines[0]
+        counts = Counter(_mask(line) for line in lines if re.search(r"[^\W\d_]", line))
+        repeated = [
+            (0, i) for i, line in enumerate(lines) if line and counts[_mask(line)] >= REPEATS
+        ]
+    seen: set[str] = set()
+    for p, i in repeated:
+        mask = _mask(page_lines[p][i])
+        if mask in seen:
+            found.add((p, i))
+        seen.add(mask)
+    return found
+
+
+def _edge_lines(lines: list[str]) -> list[int]:
+    filled = [i for i, line in enumerate(lines) if line]
+    return sorted({filled[0], filled[-1]}) if filled else []
+
+
+def is_bullet(line: str) -> bool:
+    return _BULLET.match(line) is not None
+
+
+def is_numbered(line: str) -> bool:
+    return _NUMBERED.match(line) is not None
+
+
+def strip_bullet(line: str) -> str:
+    return _BULLET.sub("", line, count=1)
+
+
+def join_broken(lines: list[str], standalone: Callable[[str], bool]) -> list[str]:
+    """Lines of one paragraph, with a line continued on the next joined back into one.
+
+    A line continues on the next when neither is a standalone line (`standalone(line)`: a
+    list item, a "label: value" line) and the next starts in lower case, or the line is as
+    long as wrapped lines are and does not end a sentence. A word split by a hyphen before a
+    lower-case continuation is joined without it.
+    """
+    out: list[str] = []
+    for line in lines:
+        if out and _continues(out[-1], line) and not standalone(line) and not standalone(out[-1]):
+            prev = out[-1]
+            broken = _BROKEN_WORD.search(prev) if line[0].islower() else None
+            out[-1] = (
+                prev[: broken.start()] + broken.group(1) + line if broken else f"{prev} {line}"
+            )
+        else:
+            out.append(line)
+    return out
+
+
+# Shorter lines are addresses, titles, short statements: lines of their own.
+WRAPPED_CHARS = 50
+
+
+def _continues(prev: str, line: str) -> bool:
+    if not line or prev.endswith((".", "!", "?", ":")):
+        return False
+    return line[0].islower() or len(prev) >= WRAPPED_CHARS

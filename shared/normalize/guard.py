@@ -1,0 +1,26 @@
+"""Never drop a fact: a line a rule would leave out is put back if it holds a value or a
+negation that no output line holds.
+"""
+
+from __future__ import annotations
+
+from shared.normalize.entities import canonical, entities, negation_windows
+from shared.normalize.render import Line
+
+
+def guard(lines: list[Line]) -> list[Line]:
+    """The lines to output, in order: those kept, and dropped ones restored for their facts."""
+    kept = [line for line in lines if line.drop is None]
+    have = {e for line in kept for e in entities(line.text)}
+    text = canonical("\n".join(line.text for line in kept))
+    for line in lines:
+        if line.drop is None or line.drop in ("duplicate", "filler"):
+            # A duplicate's facts are in the line it repeats; filler has none by definition.
+            continue
+        values = entities(line.text)
+        negated = negation_windows(line.text)
+        if any(v not in have for v in values) or any(w not in text for w in negated):
+            line.drop, line.restored = None, True
+            have.update(values)
+            text = f"{text} {canonical(line.text)}"
+    return [line for line in lines if line.drop is None]

@@ -1,0 +1,74 @@
+"""Plain text (and PDFs turned into text) into blocks: headings, "label: value" lines, list
+items and paragraphs, after the clean-up in `cleanup`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from shared.normalize import cleanup
+from shared.normalize.blocks import Block
+
+# "Label: value": a short label (no sentence in it) then a value on the same line.
+_PAIR = re.compile(r"^(?P<label>[^\W\d_][^:.!?]{0,58}?)\s*:\s+(?P<value>\S.*)$")
+_MAX_LABEL_WORDS = 6
+_MAX_HEADING_WORDS = 8
+
+
+def pair(line: str) -> tuple[str, str] | None:
+    match = _PAIR.match(line)
+    if match is None or len(match["label"].split()) > _MAX_LABEL_WORDS:
+        return None
+    return match["label"].strip(), match["value"].strip()
+
+
+def _standalone(line: str) -> bool:
+    return cleanup.is_bullet(line) or cleanup.is_numbered(line) or pair(line) is not None
+
+
+def plain_blocks(text: str) -> list[Block]:
+    pages = cleanup.pages(text)
+    furniture = cleanup.repeated_furniture(pages)
+    blocks: list[Block] = []
+    dropped: list[Block] = []
+    paragraph: list[str] = []
+    for p, lines in enumerate(pages):
+        for i, line in enumerate(lines):
+            if (p, i) in furniture:
+                dropped.append(Block("paragraph", line, drop="header_footer"))
+            elif line:
+                paragraph.append(line)
+            else:
+                blocks += line_blocks(paragraph)
+                paragraph = []
+    blocks += line_blocks(paragraph)
+    # Running headers and footers sit at page edges; if one is kept, it reads as a footer.
+    return blocks + dropped
+
+
+def line_blocks(lines: list[str], *, headings: bool = True) -> list[Block]:
+    """The lines of one paragraph: broken lines joined, then one block per line."""
+    joined = cleanup.join_broken(lines, _standalone)
+    blocks = []
+    for n, line in enumerate(joined):
+        # A title heads the lines below it, or stands out alone (capitals, a closing colon).
+        first = n == 0 and (len(joined) > 1 or line.isupper() or line.endswith(":"))
+        blocks.append(_line_block(line, heading_allowed=headings and first))
+    return blocks
+
+
+def _line_block(line: str, *, heading_allowed: bool) -> Block:
+    if cleanup.is_bullet(line):
+        return Block("item", cleanup.strip_bullet(line))
+    found = pair(line)
+    if found is not None:
+        return Block("pair", found[1], label=found[0])
+    if heading_allowed and _looks_like_heading(line):
+        return Block("heading", line.rstrip(":").strip())
+    return Block("paragraph", line)
+
+
+def _looks_like_heading(line: str) -> bool:
+    """The first line of a paragraph that is a short title, not a sentence."""
+    words = line.split()
+    return len(words) <= _MAX_HEADING_WORDS and not line.endswith((".", ",", ";", "!", "?"))

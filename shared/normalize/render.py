@@ -1,0 +1,60 @@
+"""Blocks into the lines of a format: `text` (every block as a plain line) and the
+bookkeeping both formats share: sections, dropped lines and why, duplicates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.normalize.blocks import Block
+
+
+@dataclass(slots=True)
+class Line:
+    text: str
+    # Lines under the same heading share a section; duplicates are judged within one.
+    section: int
+    # Why a rule leaves it out ("furniture", "header_footer", "filler", "heading",
+    # "duplicate"); None: it is output. `guard` puts back any that holds a fact.
+    drop: str | None = None
+    restored: bool = False
+
+
+def text_lines(blocks: list[Block]) -> list[Line]:
+    lines: list[Line] = []
+    section = 0
+    for block in blocks:
+        if block.kind == "heading":
+            section += 1
+        lines += [Line(text, section, block.drop) for text in _plain(block) if text]
+    return mark_duplicates(lines)
+
+
+def _plain(block: Block) -> list[str]:
+    if block.kind == "item":
+        return [f"- {block.text}"]
+    if block.kind == "pair":
+        return [f"{block.label}: {block.text}"]
+    if block.kind == "table":
+        return [" | ".join(_trimmed(row)) for row in (block.header, *block.rows) if any(row)]
+    return [block.text]
+
+
+def _trimmed(row: tuple[str, ...]) -> tuple[str, ...]:
+    end = len(row)
+    while end and not row[end - 1]:
+        end -= 1
+    return row[:end]
+
+
+def mark_duplicates(lines: list[Line]) -> list[Line]:
+    """A line already output in the same section is dropped as a duplicate."""
+    seen: set[tuple[int, str]] = set()
+    for line in lines:
+        if line.drop is not None:
+            continue
+        key = (line.section, line.text)
+        if key in seen:
+            line.drop = "duplicate"
+        seen.add(key)
+    return lines
