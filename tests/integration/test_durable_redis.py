@@ -47,6 +47,13 @@ def _crash(url: str) -> None:
         time.sleep(0.05)
 
 
+def _submit(api: str, prompt: str) -> str:
+    response = httpx.post(f"{api}/v1/jobs", json={"prompt": prompt, "max_tokens": 4})
+    assert response.status_code == 202, response.text
+    job_id: str = response.json()["id"]
+    return job_id
+
+
 def _wait_finished(api: str, job_id: str, timeout_s: float = 60) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -67,15 +74,9 @@ def test_queued_jobs_survive_a_crash_of_the_private_redis(
         before.start_api()
         try:
             # No worker yet: the jobs stay queued.
-            ids = [
-                httpx.post(f"{before.url}/v1/jobs", json={"prompt": p, "max_tokens": 4}).json()[
-                    "id"
-                ]
-                for p in ("One", "Two", "Three")
-            ]
-            assert [httpx.get(f"{before.url}/v1/jobs/{i}").json()["status"] for i in ids] == [
-                "queued"
-            ] * 3
+            ids = [_submit(before.url, prompt) for prompt in ("One", "Two", "Three")]
+            statuses = [httpx.get(f"{before.url}/v1/jobs/{i}").json()["status"] for i in ids]
+            assert statuses == ["queued"] * 3
         finally:
             before.stop()
         time.sleep(FSYNC_WINDOW_S + 1.0)
