@@ -19,13 +19,13 @@ else
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON
 endif
 
-.PHONY: run test bench lint install wheel wheel-invariant clean
+.PHONY: run test bench lint install tools wheel wheel-invariant clean
 
 run: $(STAMP)
 	$(BIN)/granary prepare >/dev/null
 	$(BIN)/granary up
 
-test: $(STAMP)
+test: $(STAMP) tools
 	$(BIN)/python -m pytest -q -ra
 
 bench: $(STAMP) wheel-invariant
@@ -37,6 +37,19 @@ lint: $(STAMP)
 	$(BIN)/mypy api worker warmer shared cli
 
 install: $(STAMP)
+
+# Tools the deploy tests run (command:Debian package): docker-compose parses compose.yaml without
+# a Docker engine; systemd-analyze verifies the units. Installed only when missing (needs root).
+DEPLOY_TOOLS := docker-compose:docker-compose systemd-analyze:systemd
+tools:
+	@missing=$$(for t in $(DEPLOY_TOOLS); do command -v $${t%%:*} >/dev/null || echo $${t#*:}; done); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ]; then \
+	  echo "not root, so not installing:" $$missing "(their tests skip, and fail under CI=true)"; \
+	  exit 0; fi; \
+	echo "installing" $$missing "..."; \
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  --no-install-recommends $$missing >/dev/null
 
 wheel:
 	@ls $(WHEEL_DIR)/llama_cpp_python-$(LLAMA_VERSION)-*.whl >/dev/null 2>&1 || { \
@@ -62,6 +75,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip wheel
 	$(MAKE) wheel
+	@# The distribution was called granary before granary-llm; two would own the same modules.
+	$(BIN)/pip uninstall -q -y granary 2>/dev/null || true
 	$(BIN)/pip install -q --find-links $(WHEEL_DIR) --only-binary llama-cpp-python -e '.[dev,qwen,gemma,bench]'
 	rm -f $(VENV)/.installed-*
 	touch $@

@@ -144,7 +144,10 @@ def main() -> None:
         help="llama-cpp-python built batch-invariant (make wheel-invariant), for batch_rows",
     )
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, private_redis(Path(tmp) / "redis") as redis_url:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        private_redis(Path(tmp) / "redis", persistent=False) as redis_url,
+    ):
         log_dir = Path(tmp)
         suites: dict[str, Callable[[], list[str]]] = {
             "job_path": lambda: [_job_path_section(redis_url, log_dir, args.quick)],

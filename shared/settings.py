@@ -133,8 +133,11 @@ class Settings(BaseSettings):
     data_dir: Path = Path("~/.local/share/granary")
     model: str = "smollm2-135m"
     n_ctx: int = Field(4096, ge=64)
-    # None: every core the process may run on.
+    # None: every core the process may run on, divided between the host's workers.
     n_threads: int | None = Field(None, ge=1)
+    # Workers sharing this host's cores (compose's replicas): llama.cpp's threads spin while they
+    # wait, so workers whose threads overlap slow each other down many times over.
+    workers_per_host: int = Field(1, ge=1)
     n_batch: int = Field(512, ge=1)
     log_level: str = "INFO"
     # Comma-separated in GRANARY_API_KEYS. Empty: no authentication.
@@ -159,7 +162,7 @@ class Settings(BaseSettings):
 
     @property
     def threads(self) -> int:
-        return self.n_threads or len(os.sched_getaffinity(0))
+        return self.n_threads or max(1, len(os.sched_getaffinity(0)) // self.workers_per_host)
 
     @property
     def cache_dir(self) -> Path:

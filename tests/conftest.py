@@ -34,7 +34,8 @@ def redis_base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if answers(DEFAULT_REDIS_URL):
         yield "redis://127.0.0.1:6379"
         return
-    with private_redis(tmp_path_factory.mktemp("redis")) as url:
+    # Throwaway: every test empties its database anyway, so nothing is worth an fsync.
+    with private_redis(tmp_path_factory.mktemp("redis"), persistent=False) as url:
         yield url
 
 

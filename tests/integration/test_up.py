@@ -19,7 +19,7 @@ from tests.harness import REPO, free_port, settings_env
 
 
 def test_private_redis_starts_answers_and_stops(tmp_path: Path) -> None:
-    with private_redis(tmp_path) as url:
+    with private_redis(tmp_path, persistent=False) as url:
         assert url.startswith("unix://")
         assert answers(url)
     assert not answers(url)

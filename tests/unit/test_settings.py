@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,21 @@ def test_the_deploy_example_config_loads() -> None:
 
     settings = load_settings(REPO / "deploy" / "granary.example.toml")
     assert settings.warmer.schedule == "0 3 * * *" and settings.warmer.catch_up
+
+
+def test_workers_on_one_host_divide_its_cores(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GRANARY_N_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)))
+    assert load_settings().threads == 8
+    monkeypatch.setenv("GRANARY_WORKERS_PER_HOST", "3")
+    assert load_settings().threads == 2
+    monkeypatch.setenv("GRANARY_WORKERS_PER_HOST", "20")
+    assert load_settings().threads == 1
+    monkeypatch.setenv("GRANARY_N_THREADS", "5")
+    assert load_settings().threads == 5
+    monkeypatch.setenv("GRANARY_WORKERS_PER_HOST", "0")
+    with pytest.raises(ValidationError):
+        load_settings()
