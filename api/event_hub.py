@@ -2,6 +2,11 @@
 
 SSE clients of the same job share one subscription; a channel is subscribed while at least
 one client listens and dropped when the last one leaves.
+
+What is published while that connection is broken never reaches it, so when it breaks (or
+redis-py reconnects it behind the scenes) every listener is told: its `job_events` raises
+`redis.ConnectionError`, its client resumes from the job's stream with `Last-Event-ID`, and
+the hub reconnects by itself with backoff, logging the outage once per interval.
 """
 
 from __future__ import annotations
@@ -11,27 +16,42 @@ import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator
+from typing import Any
 
+import redis
 from redis.asyncio import Redis
+from redis.asyncio.connection import AbstractConnection
 
 from shared import keys
 from shared.job_store import JobEvent
+from shared.log_limit import RateLimitedLog
+from shared.redis_outage import REDIS_DOWN, Backoff, describe
 
 log = logging.getLogger(__name__)
 
 # Subscribed for the hub's whole life, so the connection exists before any listener does.
 _HUB_CHANNEL = f"{keys.PREFIX}:api:hub"
 
+# A listener's live events, batch by batch; None when the live feed broke.
+Feed = asyncio.Queue[list[JobEvent] | None]
+
 
 class EventHub:
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, backlog_reads: int) -> None:
         self._redis = redis
         self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
-        self._listeners: dict[str, set[asyncio.Queue[list[JobEvent]]]] = defaultdict(set)
+        self._listeners: dict[str, set[Feed]] = defaultdict(set)
+        # Backlog reads take turns rather than a pool connection each at once: hundreds of
+        # clients reconnecting together would otherwise wait out the pool's timeout.
+        self._backlog_turns = asyncio.Semaphore(backlog_reads)
+        self._hub_subscribed = False
+        self._unsubscribe_later: set[str] = set()
+        self._outage = RateLimitedLog(log)
         self._reader: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        await self._pubsub.subscribe(_HUB_CHANNEL)
+        # The reader subscribes, so an API started while Redis is down serves (503s) and
+        # catches up by itself.
         self._reader = asyncio.create_task(self._read(), name="event-hub")
 
     async def stop(self) -> None:
@@ -39,24 +59,29 @@ class EventHub:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
-        await self._pubsub.aclose()
+        with contextlib.suppress(*REDIS_DOWN):
+            await self._pubsub.aclose()
 
     @contextlib.asynccontextmanager
-    async def listen(self, channel: str) -> AsyncIterator[asyncio.Queue[list[JobEvent]]]:
+    async def listen(self, channel: str) -> AsyncIterator[Feed]:
         """A queue receiving the events of each message published on `channel`."""
-        queue: asyncio.Queue[list[JobEvent]] = asyncio.Queue()
+        feed: Feed = asyncio.Queue()
         first = not self._listeners[channel]
-        self._listeners[channel].add(queue)
+        self._listeners[channel].add(feed)
         try:
             if first:
-                await self._pubsub.subscribe(channel)
-            yield queue
+                try:
+                    await self._subscribe(channel)
+                except REDIS_DOWN:
+                    self._interrupt(channel)  # those who joined meanwhile have no subscription
+                    raise
+            yield feed
         finally:
             listeners = self._listeners[channel]
-            listeners.discard(queue)
+            listeners.discard(feed)
             if not listeners:
                 del self._listeners[channel]
-                await self._pubsub.unsubscribe(channel)
+                await self._unsubscribe(channel)
 
     async def job_events(self, job_id: str, after: int = -1) -> AsyncIterator[list[JobEvent]]:
         """A job's events past `after`, in batches, each once, up to and including the final one.
@@ -65,7 +90,8 @@ class EventHub:
         means no event can fall between the two; duplicates are dropped by sequence number.
         """
         async with self.listen(keys.job_channel(job_id)) as live:
-            entries = await self._redis.xrange(keys.job_events(job_id)) or []
+            async with self._backlog_turns:
+                entries = await self._redis.xrange(keys.job_events(job_id)) or []
             batch = [JobEvent.from_fields(fields or {}) for _, fields in entries]
             while True:
                 fresh = [e for e in batch if e.seq > after or e.final]
@@ -76,21 +102,68 @@ class EventHub:
                 if fresh:
                     yield fresh
                     after = fresh[-1].seq
-                batch = await live.get()
+                received = await live.get()
+                if received is None:
+                    raise redis.ConnectionError("the live event feed (Redis) was interrupted")
+                batch = received
+
+    async def _subscribe(self, channel: str) -> None:
+        await self._pubsub.subscribe(channel)
+        # Runs on each reconnect of the pub/sub connection (the first connect is over by now).
+        assert self._pubsub.connection is not None
+        self._pubsub.connection.register_connect_callback(self._reconnected)
+
+    async def _unsubscribe(self, channel: str) -> None:
+        try:
+            await self._pubsub.unsubscribe(channel)
+        except REDIS_DOWN:
+            # redis-py re-subscribes it on reconnect; the reader drops it then.
+            self._unsubscribe_later.add(channel)
+
+    def _reconnected(self, _connection: AbstractConnection) -> None:
+        self._interrupt_all()
+
+    def _interrupt_all(self) -> None:
+        for channel in self._listeners:
+            self._interrupt(channel)
+
+    def _interrupt(self, channel: str) -> None:
+        for feed in self._listeners.get(channel, ()):
+            feed.put_nowait(None)
 
     async def _read(self) -> None:
+        backoff = Backoff()
         while True:
             try:
-                message = await self._pubsub.get_message(timeout=1.0)
+                message = await self._next_message()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a dropped connection: redis-py reconnects and resubscribes
-                log.warning("pub/sub read failed; retrying", exc_info=True)
-                await asyncio.sleep(0.5)
+            except Exception as exc:
+                self._interrupt_all()
+                if isinstance(exc, REDIS_DOWN):
+                    self._outage.failure("event feed lost (%s); reconnecting", describe(exc))
+                else:
+                    self._outage.failure("event feed read failed; reconnecting", exc_info=exc)
+                await asyncio.sleep(backoff.next())
                 continue
-            if message is None or message["type"] != "message":
-                continue
-            channel = message["channel"].decode()
-            events = JobEvent.from_message(message["data"])
-            for queue in self._listeners.get(channel, ()):
-                queue.put_nowait(events)
+            backoff.reset()
+            self._outage.recovered("event feed reconnected")
+            if message is not None and message["type"] == "message":
+                self._dispatch(message)
+
+    async def _next_message(self) -> dict[str, Any] | None:
+        if not self._hub_subscribed:
+            await self._subscribe(_HUB_CHANNEL)
+            self._hub_subscribed = True
+        stale = [c for c in self._unsubscribe_later if c not in self._listeners]
+        if stale:
+            await self._pubsub.unsubscribe(*stale)
+            self._unsubscribe_later.difference_update(stale)
+        message: dict[str, Any] | None = await self._pubsub.get_message(timeout=1.0)
+        return message
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        channel = message["channel"].decode()
+        events = JobEvent.from_message(message["data"])
+        for feed in self._listeners.get(channel, ()):
+            feed.put_nowait(events)

@@ -9,6 +9,7 @@ and llama.cpp's server do); fields that only label a request are ignored.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.auth import authenticate, owner_of
 from api.state import AppState, state_of
 from shared.errors import InvalidRequest, ServiceUnavailable
+from shared.redis_outage import REDIS_DOWN
 from shared.schemas import MAX_STOP_SEQUENCES, JobRequest, JobStatus, JobView, Message, Text
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(authenticate)])
@@ -159,6 +161,8 @@ async def _wait_or_cancel(state: AppState, request: Request, reply: _Reply) -> J
         task.cancel()
     if done_task not in done:
         await run_in_threadpool(state.submitter.cancel, reply.job_id, reply.owner)
+    else:
+        done_task.result()  # Redis went away while waiting: a 503, nothing was sent yet
     view = await run_in_threadpool(state.store.get, reply.job_id)
     if view.status == JobStatus.FAILED:
         raise ServiceUnavailable(f"generation failed: {view.error}")
@@ -179,10 +183,16 @@ async def _stream(state: AppState, reply: _Reply, include_usage: bool) -> AsyncI
                 for chunk in reply.last_chunks(view, include_usage):
                     yield reply.sse(chunk)
                 yield b"data: [DONE]\n\n"
+    except REDIS_DOWN:
+        # The response has started: it ends with an error chunk, not a cut. The job goes on
+        # (the message names it); cancelling it would need Redis too.
+        finished = True
+        yield reply.sse(reply.interrupted())
+        yield b"data: [DONE]\n\n"
     finally:
         if not finished:  # the client went away: stop generating for nobody
             # Starlette cancels this generator when the client leaves; shield the clean-up.
-            with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True), contextlib.suppress(*REDIS_DOWN):
                 await run_in_threadpool(state.submitter.cancel, reply.job_id, reply.owner)
 
 
@@ -232,6 +242,13 @@ class _Reply:
             obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
             chunks.append(self._envelope(obj, []) | {"usage": _usage(view)})
         return chunks
+
+    def interrupted(self) -> dict[str, Any]:
+        message = (
+            "the stream was interrupted (Redis unavailable); the job goes on: "
+            f"GET /v1/jobs/{self.job_id} for its result"
+        )
+        return {"error": {"message": message, "type": "server_error", "code": "unavailable"}}
 
     @staticmethod
     def sse(data: dict[str, Any]) -> bytes:

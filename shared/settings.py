@@ -27,6 +27,11 @@ class ApiSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
     idempotency_ttl_s: int = Field(86_400, gt=0)
+    # The async Redis pool behind event streams: one connection is the shared pub/sub, the
+    # rest read stream backlogs (reads beyond that queue for a turn). A request waits up to
+    # `redis_pool_timeout_s` for a free connection before its stream ends with an `error`.
+    redis_max_connections: int = Field(32, ge=2, le=10_000)
+    redis_pool_timeout_s: float = Field(10.0, gt=0)
 
 
 class WorkerSettings(BaseModel):
