@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import redis
 
 from tests.harness import Stack
 from tests.integration.test_stream_load import COUNTING, Heard, listen, submit, wait_streaming
@@ -95,3 +96,17 @@ def test_a_redis_outage_is_ridden_out(
 async def replay(url: str) -> Heard:
     async with httpx.AsyncClient(timeout=60) as client:
         return await listen(client, url)
+
+
+def test_a_worker_registers_again_when_redis_lost_its_registration(stack: Stack) -> None:
+    # What a Redis restarted without its data (or an outage longer than the registration's
+    # expiry) leaves: no trace of the worker, which must not then look dead to /readyz.
+    assert httpx.get(f"{stack.url}/readyz").status_code == 200
+    redis.Redis.from_url(stack.settings.redis_url).flushdb()
+    assert httpx.get(f"{stack.url}/readyz").status_code == 503
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{stack.url}/readyz").status_code != 200:
+        assert time.monotonic() < deadline, "the worker never registered again"
+        time.sleep(0.2)
+    assert submit(stack, prompt="Hi", max_tokens=2)
+    assert stack.procs["worker-1"].poll() is None
