@@ -91,6 +91,7 @@ class EventHub:
         """
         async with self.listen(keys.job_channel(job_id)) as live:
             async with self._backlog_turns:
+                _forget_breaks(live)
                 entries = await self._redis.xrange(keys.job_events(job_id)) or []
             batch = [JobEvent.from_fields(fields or {}) for _, fields in entries]
             while True:
@@ -167,3 +168,20 @@ class EventHub:
         events = JobEvent.from_message(message["data"])
         for feed in self._listeners.get(channel, ()):
             feed.put_nowait(events)
+
+
+def _forget_breaks(feed: Feed) -> None:
+    """Drop the breaks signalled before a listener reads its backlog: they cost it nothing.
+
+    A reconnect signals after redis-py has re-subscribed (its callback runs first), and the
+    backlog holds whatever was published before. A break not yet reconnected is signalled
+    again by that reconnect, after the read, so it still ends the stream. Without this, a
+    client resuming right after an outage would be told of the break its own subscribe healed.
+    """
+    kept = []
+    while not feed.empty():
+        item = feed.get_nowait()
+        if item is not None:
+            kept.append(item)
+    for item in kept:
+        feed.put_nowait(item)
