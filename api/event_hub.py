@@ -1,7 +1,9 @@
 """One Redis pub/sub connection per API process, fanned out to every live listener.
 
 SSE clients of the same job share one subscription; a channel is subscribed while at least
-one client listens and dropped when the last one leaves.
+one client listens and dropped when the last one leaves. Clients arriving together share one
+read of the job's backlog too: a thousand clients reconnecting at once cost a few reads, not a
+thousand (parsing them was most of the API's CPU in `make soak`).
 
 What is published while that connection is broken never reaches it, so when it breaks (or
 redis-py reconnects it behind the scenes) every listener is told: its `job_events` raises
@@ -41,9 +43,13 @@ class EventHub:
         self._redis = redis
         self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
         self._listeners: dict[str, set[Feed]] = defaultdict(set)
+        # Per channel: done once SUBSCRIBE is sent; every listener of the channel waits for it.
+        self._subscriptions: dict[str, asyncio.Future[None]] = {}
         # Backlog reads take turns rather than a pool connection each at once: hundreds of
         # clients reconnecting together would otherwise wait out the pool's timeout.
         self._backlog_turns = asyncio.Semaphore(backlog_reads)
+        # Per job: the read waiting for its turn, which listeners arriving meanwhile share.
+        self._waiting_reads: dict[str, asyncio.Future[list[JobEvent]]] = {}
         self._hub_subscribed = False
         self._unsubscribe_later: set[str] = set()
         self._outage = RateLimitedLog(log)
@@ -66,21 +72,20 @@ class EventHub:
     async def listen(self, channel: str) -> AsyncIterator[Feed]:
         """A queue receiving the events of each message published on `channel`."""
         feed: Feed = asyncio.Queue()
-        first = not self._listeners[channel]
         self._listeners[channel].add(feed)
         try:
-            if first:
-                try:
-                    await self._subscribe(channel)
-                except REDIS_DOWN:
-                    self._interrupt(channel)  # those who joined meanwhile have no subscription
-                    raise
+            subscribed = self._subscriptions.get(channel)
+            if subscribed is None:
+                subscribed = asyncio.ensure_future(self._subscribe(channel))
+                self._subscriptions[channel] = subscribed
+            await asyncio.shield(subscribed)
             yield feed
         finally:
             listeners = self._listeners[channel]
             listeners.discard(feed)
             if not listeners:
                 del self._listeners[channel]
+                del self._subscriptions[channel]
                 await self._unsubscribe(channel)
 
     async def job_events(self, job_id: str, after: int = -1) -> AsyncIterator[list[JobEvent]]:
@@ -90,10 +95,8 @@ class EventHub:
         means no event can fall between the two; duplicates are dropped by sequence number.
         """
         async with self.listen(keys.job_channel(job_id)) as live:
-            async with self._backlog_turns:
-                _forget_breaks(live)
-                entries = await self._redis.xrange(keys.job_events(job_id)) or []
-            batch = [JobEvent.from_fields(fields or {}) for _, fields in entries]
+            _forget_breaks(live)
+            batch = await self._backlog(job_id)
             while True:
                 fresh = [e for e in batch if e.seq > after or e.final]
                 final = next((i for i, e in enumerate(fresh) if e.final), None)
@@ -107,6 +110,28 @@ class EventHub:
                 if received is None:
                     raise redis.ConnectionError("the live event feed (Redis) was interrupted")
                 batch = received
+
+    async def _backlog(self, job_id: str) -> list[JobEvent]:
+        """The job's stored events, read after the caller subscribed: callers arriving while a
+        read waits for its turn share it, since it is sent after all of them subscribed."""
+        read = self._waiting_reads.get(job_id)
+        if read is None:
+            read = asyncio.ensure_future(self._read_backlog(job_id))
+            self._waiting_reads[job_id] = read
+        return await asyncio.shield(read)
+
+    async def _read_backlog(self, job_id: str) -> list[JobEvent]:
+        this = asyncio.current_task()
+        try:
+            async with self._backlog_turns:
+                # Sent from here on: who subscribes now may be too late for it, and reads anew.
+                if self._waiting_reads.get(job_id) is this:
+                    del self._waiting_reads[job_id]
+                entries = await self._redis.xrange(keys.job_events(job_id)) or []
+        finally:
+            if self._waiting_reads.get(job_id) is this:
+                del self._waiting_reads[job_id]
+        return [JobEvent.from_fields(fields or {}) for _, fields in entries]
 
     async def _subscribe(self, channel: str) -> None:
         await self._pubsub.subscribe(channel)
@@ -125,12 +150,9 @@ class EventHub:
         self._interrupt_all()
 
     def _interrupt_all(self) -> None:
-        for channel in self._listeners:
-            self._interrupt(channel)
-
-    def _interrupt(self, channel: str) -> None:
-        for feed in self._listeners.get(channel, ()):
-            feed.put_nowait(None)
+        for feeds in self._listeners.values():
+            for feed in feeds:
+                feed.put_nowait(None)
 
     async def _read(self) -> None:
         backoff = Backoff()

@@ -208,6 +208,8 @@ def streams_section(stack: Stack, n: int) -> str:
     _wait_streaming(stack, job_id)
     api_pid = stack.procs["api"].pid
     rss_before = _rss_mb(api_pid)
+    with Sampler(stack.url, api_pid) as idle:  # the same machine, nobody listening
+        time.sleep(10)
     start, cpu_before = time.monotonic(), _cpu_s(api_pid)
     with Sampler(stack.url, api_pid) as sampler:
         outcomes = Listeners(f"{stack.url}/v1/jobs/{job_id}/events", [None] * n).results()
@@ -237,6 +239,8 @@ def streams_section(stack: Stack, n: int) -> str:
             f"| `/healthz` p95 while listening ({len(sampler.latencies_ms)} samples) | ≤ 100 ms"
             f" | {_verdict(f'{p95:.0f} ms', p95 <= 100)} (median {_median(sampler.latencies_ms):.0f}"
             f" ms, max {max(sampler.latencies_ms):.0f} ms) |",
+            f"| `/healthz` p95 before the listeners ({len(idle.latencies_ms)} samples) | | "
+            f"{_p95(idle.latencies_ms):.0f} ms |",
             f"| API CPU while listening | | {api_cpu:.0%} of one core |",
             f"| machine load average (5 min, every process on it) | | {load:.1f} on "
             f"{len(os.sched_getaffinity(0))} cores |",
@@ -319,7 +323,7 @@ def outage_section(stack: Stack, server: RedisProcess, outage_s: float, n: int) 
     return "\n".join(
         [
             f"## Redis down {outage.seconds:.0f} s\n",
-            "Redis is stopped (SIGTERM) while a 400-token job streams to "
+            f"Redis is stopped (SIGTERM) while a job ({len(every)} tokens in the end) streams to "
             f"{n} listeners and three more jobs wait in the queue, then started again on the "
             "same port. The stack keeps running throughout.\n",
             "| measure | target | measured |",
