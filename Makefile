@@ -31,7 +31,7 @@ test: $(STAMP)
 bench: $(STAMP) wheel-invariant
 	$(BIN)/python -m bench.run --invariant-site $(INVARIANT_SITE)
 
-# Not part of `make test`: 1,000 SSE listeners and a 30 s Redis outage (~5 min), writes docs/SOAK.md.
+# Not part of `make test`: 1,000 SSE listeners and a 30 s Redis outage (a few minutes); writes docs/SOAK.md.
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
