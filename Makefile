@@ -19,7 +19,7 @@ else
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON
 endif
 
-.PHONY: run test bench lint install tools wheel wheel-invariant clean
+.PHONY: run test bench soak lint install tools wheel wheel-invariant clean
 
 run: $(STAMP)
 	$(BIN)/granary prepare >/dev/null
@@ -30,6 +30,10 @@ test: $(STAMP) tools
 
 bench: $(STAMP) wheel-invariant
 	$(BIN)/python -m bench.run --invariant-site $(INVARIANT_SITE)
+
+# Not part of `make test`: 1,000 SSE listeners and a 30 s Redis outage (a few minutes); writes docs/SOAK.md.
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -7,7 +7,9 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI
+from redis.asyncio import BlockingConnectionPool
 from redis.asyncio import Redis as AsyncRedis
+from redis.asyncio.retry import Retry
 
 from api import errors
 from api.batches import Batches
@@ -18,7 +20,7 @@ from api.state import AppState
 from shared.job_store import JobStore
 from shared.llm import load_llama
 from shared.prefix_cache import open_cache
-from shared.redis_server import connect
+from shared.redis_server import QUICK_BACKOFF, QUICK_RETRIES, connect
 from shared.settings import Settings
 from shared.submission import Submitter
 from shared.warm_runs import WarmRuns
@@ -27,12 +29,13 @@ from shared.warm_runs import WarmRuns
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis = connect(settings.redis_url)
-        aredis = AsyncRedis.from_url(settings.redis_url)
+        redis = connect(settings.redis_url, fail_fast=True)
+        aredis = _async_redis(settings)
         tokenizer = load_llama(settings, vocab_only=True)
         store = JobStore(redis, settings.jobs.result_ttl_s)
         submitter = Submitter(redis, store, tokenizer, settings)
-        hub = EventHub(aredis)
+        # One pool connection is the hub's pub/sub; the others serve backlog reads.
+        hub = EventHub(aredis, backlog_reads=settings.api.redis_max_connections - 1)
         await hub.start()
         app.state.granary = AppState(
             settings=settings,
@@ -60,6 +63,17 @@ def create_app(settings: Settings) -> FastAPI:
     for router in ROUTERS:
         app.include_router(router)
     return app
+
+
+def _async_redis(settings: Settings) -> AsyncRedis:
+    """A pool that makes a request wait for a free connection instead of failing at once."""
+    pool = BlockingConnectionPool.from_url(
+        settings.redis_url,
+        max_connections=settings.api.redis_max_connections,
+        timeout=settings.api.redis_pool_timeout_s,
+        retry=Retry(QUICK_BACKOFF, QUICK_RETRIES),
+    )
+    return AsyncRedis.from_pool(pool)
 
 
 def serve(settings: Settings) -> None:

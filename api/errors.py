@@ -17,8 +17,12 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from shared.errors import GranaryError
+from shared.log_limit import RateLimitedLog
+from shared.redis_outage import describe
 
 log = logging.getLogger(__name__)
+# Every request fails alike while Redis is down: one line per interval says so.
+_outage = RateLimitedLog(log)
 
 
 def error_body(error_type: str, message: str, field: str | None = None) -> dict[str, Any]:
@@ -70,7 +74,7 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _redis_down(_: Request, exc: Exception) -> JSONResponse:
-    log.error("Redis unavailable: %s", exc)
+    _outage.failure("Redis unavailable (%s): answering 503", describe(exc))
     return JSONResponse(error_body("unavailable", "the queue (Redis) is unavailable"), 503)
 
 

@@ -37,6 +37,11 @@ class ApiSettings(BaseModel):
     tokenize_concurrency: int = Field(2, ge=1)
     # With api_keys set, /docs and /openapi.json need a key too unless this is true.
     open_docs: bool = False
+    # The async Redis pool behind event streams: one connection is the shared pub/sub, the
+    # rest read stream backlogs (reads beyond that queue for a turn). A request waits up to
+    # `redis_pool_timeout_s` for a free connection before its stream ends with an `error`.
+    redis_max_connections: int = Field(32, ge=2, le=10_000)
+    redis_pool_timeout_s: float = Field(10.0, gt=0)
 
 
 class WorkerSettings(BaseModel):

@@ -19,6 +19,7 @@ import redis
 from shared.redis_server import answers, private_redis
 from shared.settings import DEFAULT_REDIS_URL, Settings
 from tests.harness import REPO, Stack, free_port
+from tests.redis_process import RedisProcess
 
 # Persistent across runs (git-ignored): assembled models are reused.
 DATA_DIR = REPO / ".data" / "test"
@@ -99,3 +100,11 @@ def stack_factory(
 @pytest.fixture
 def stack(stack_factory: Callable[..., Stack]) -> Stack:
     return stack_factory()
+
+
+@pytest.fixture
+def outage_redis(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A private Redis (append-only file on) that the test stops and starts again. Ask for it
+    before `stack_factory`: fixtures end in reverse order, so the stack stops while it runs."""
+    with RedisProcess(tmp_path / "redis", free_port()) as server:
+        yield server

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from datetime import datetime, tzinfo
+from functools import partial
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
@@ -21,6 +22,7 @@ from redis import Redis
 from shared import keys
 from shared.job_store import JobStore
 from shared.prefix_usage import PrefixUsage
+from shared.redis_outage import RedisWaiter
 from shared.redis_server import connect
 from shared.schemas import WarmItem, WarmTrigger
 from shared.settings import Settings
@@ -97,20 +99,25 @@ def _timezone(name: str | None) -> tzinfo:
 
 
 def run_warmer(settings: Settings, run_now: bool = False) -> None:
-    warmer = Warmer(settings, connect(settings.redis_url), Path.cwd())
+    redis = connect(settings.redis_url)
+    warmer = Warmer(settings, redis, Path.cwd())
+    # A run that meets a Redis outage waits for it to end and runs then (its jobs join those
+    # already queued), rather than failing or ending the process.
+    waiter = RedisWaiter(redis, log)
     scheduler = BlockingScheduler(timezone=warmer.timezone)
     scheduler.add_job(
-        warmer.run,
+        partial(waiter.call, warmer.run),
         warmer.trigger,
         id="warm",
+        name="warm run",
         coalesce=True,
         max_instances=1,
         misfire_grace_time=settings.warmer.misfire_grace_s,
     )
     if run_now:
-        warmer.run("manual")
+        waiter.call(lambda: warmer.run("manual"))
     else:
-        warmer.catch_up()
+        waiter.call(warmer.catch_up)
     log.info("warmer started: schedule %r (%s)", settings.warmer.schedule, warmer.timezone)
     try:
         scheduler.start()

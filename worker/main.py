@@ -7,6 +7,7 @@ import logging
 from shared.job_store import JobStore
 from shared.models import resolve_model
 from shared.prefix_cache import CounterPublisher, model_fingerprint, open_cache
+from shared.redis_outage import RedisWaiter
 from shared.redis_server import connect
 from shared.settings import Settings
 from shared.warm_runs import WarmRuns
@@ -44,6 +45,8 @@ def _speculator(settings: Settings) -> Speculator:
 
 def run_worker(settings: Settings) -> None:
     redis = connect(settings.redis_url)
+    # Redis going away never ends this process (nor reloads the model): every step waits.
+    waiter = RedisWaiter(redis, log)
     engine = build_engine(settings)
     log.info(
         "model %s loaded (%d threads, n_ctx %d)", settings.model, settings.threads, engine.n_ctx
@@ -52,9 +55,11 @@ def run_worker(settings: Settings) -> None:
     counters = CounterPublisher(redis, engine.cache) if engine.cache is not None else None
     interval_s = settings.worker.stream_interval_ms / 1000
     warm_runs = WarmRuns(redis, store, settings)
-    tasks.bind(tasks.Runtime(engine, redis, store, warm_runs, interval_s, counters))
+    runtime = tasks.Runtime(engine, redis, store, warm_runs, interval_s, waiter, counters)
+    tasks.bind(runtime)
     try:
-        GranaryWorker(redis, settings.worker).work(logging_level=settings.log_level)
+        worker = waiter.call(lambda: GranaryWorker(redis, settings.worker, waiter))
+        worker.work(logging_level=settings.log_level)
     finally:
         engine.close()
         if counters is not None:  # the snapshots written just now count too

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import TypeVar
 
 from redis import Redis
@@ -19,6 +20,7 @@ from shared.job_store import JobStore
 from shared.prefix_cache import CounterPublisher
 from shared.prefix_usage import PrefixUsage
 from shared.queues import QUEUES, queue
+from shared.redis_outage import REDIS_DOWN, RedisWaiter
 from shared.schemas import (
     DocumentFields,
     ExtractionResult,
@@ -54,10 +56,13 @@ class Runtime:
         store: JobStore,
         warm_runs: WarmRuns,
         stream_interval_s: float,
+        waiter: RedisWaiter,
         counters: CounterPublisher | None = None,
     ) -> None:
         self.engine = engine
         self._redis = redis
+        # Every write of a job's outcome waits out a Redis outage: the job ends after it.
+        self._waiter = waiter
         self.store = store
         self._warm_runs = warm_runs
         self._usage = PrefixUsage(redis)
@@ -80,9 +85,14 @@ class Runtime:
             generation.speculation,
         )
         if order.document is not None and generation.prefix_tokens is not None:
-            self._record_prefix_use(
-                order.document, order.cache_namespace, generation.usage, generation.prefix_tokens
+            record = partial(
+                self._record_prefix_use,
+                order.document,
+                order.cache_namespace,
+                generation.usage,
+                generation.prefix_tokens,
             )
+            self._waiter.call(record)
 
     def extract(self, job_id: str) -> None:
         """An extraction job: many questions about one document, decoded together."""
@@ -92,33 +102,37 @@ class Runtime:
         order, done = outcome
         cancelled = any(a.finish_reason == "cancelled" for a in done.result.answers.values())
         self._finish(job_id, cancelled, done.usage, done.timings, done.result, done.speculation)
-        self._record_prefix_use(
-            order.document, order.cache_namespace, done.usage, done.prefix_tokens
+        self._waiter.call(
+            lambda: self._record_prefix_use(
+                order.document, order.cache_namespace, done.usage, done.prefix_tokens
+            )
         )
 
     def _generate(
         self, job_id: str, publisher: TokenPublisher, streamed: Streamed
     ) -> tuple[WorkOrder, Generation]:
-        order = self.store.order(job_id, WorkOrder)
+        order = self._waiter.call(lambda: self.store.order(job_id, WorkOrder))
         generation = self.engine.generate(order, publisher.token, streamed.of(None))
         return order, generation
 
     def _extract(
         self, job_id: str, publisher: TokenPublisher, streamed: Streamed
     ) -> tuple[ExtractOrder, Extracted]:
-        order = self.store.order(job_id, ExtractOrder)
+        order = self._waiter.call(lambda: self.store.order(job_id, ExtractOrder))
         return order, extract(self.engine, order, publisher, streamed)
 
     def _execute(self, job_id: str, work: Work[Outcome]) -> Outcome | None:
         """Start the job and run `work`; a failure fails the job, never the worker."""
-        attempt = self.store.start(job_id)
+        attempt = self._waiter.call(lambda: self.store.start(job_id))
         if not attempt:
             log.info("job %s was cancelled or finished before it started; skipping", job_id)
             return None
         try:
-            streamed = self._streamed(job_id) if attempt > 1 else NOTHING
-            interval_s = self._stream_interval_s
-            with TokenPublisher(self.store, job_id, interval_s, streamed.next_index) as publisher:
+            streamed = self._waiter.call(lambda: self._streamed(job_id)) if attempt > 1 else NOTHING
+            publisher = TokenPublisher(
+                self.store, job_id, self._stream_interval_s, self._waiter, streamed.next_index
+            )
+            with publisher:
                 return work(job_id, publisher, streamed)
         except Exception as exc:
             self._fail(job_id, exc)
@@ -136,7 +150,8 @@ class Runtime:
     def _fail(self, job_id: str, exc: Exception) -> None:
         log.exception("job %s failed", job_id)
         self.engine.forget()  # its memory may be half-written: the next job starts clean
-        self.store.finish(job_id, JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
+        error = f"{type(exc).__name__}: {exc}"
+        self._waiter.call(lambda: self.store.finish(job_id, JobStatus.FAILED, error=error))
 
     def _finish(
         self,
@@ -147,6 +162,19 @@ class Runtime:
         result: JobResult | ExtractionResult,
         speculation: SpeculationReport | None = None,
     ) -> None:
+        record = partial(self._record, job_id, cancelled, usage, timings, result, speculation)
+        self._waiter.call(record)
+
+    def _record(
+        self,
+        job_id: str,
+        cancelled: bool,
+        usage: Usage,
+        timings: Timings,
+        result: JobResult | ExtractionResult,
+        speculation: SpeculationReport | None,
+    ) -> None:
+        """The finish script ends a job once; repeating this after a failure re-stores nothing."""
         view = self.store.get(job_id)
         queued_ms = ((view.started_at or view.created_at) - view.created_at) * 1000
         timings = timings.model_copy(update={"queued_ms": queued_ms})
@@ -178,26 +206,31 @@ class Runtime:
     def warm(self, job_id: str) -> None:
         """Run a warm job; if other work arrives it steps aside and is queued again."""
         store = self.store
-        if not store.start(job_id):
+        if not self._waiter.call(lambda: store.start(job_id)):
             return
-        order = store.order(job_id, WarmOrder)
-        before = store.get(job_id).warm
+        order = self._waiter.call(lambda: store.order(job_id, WarmOrder))
+        before = self._waiter.call(lambda: store.get(job_id).warm)
         try:
             outcome = self.engine.warm(order, lambda: self._should_yield(job_id))
         except Exception as exc:
             self._fail(job_id, exc)
-            self._warm_runs.done(order.item, order.cache_namespace)
+            self._waiter.call(lambda: self._warm_runs.done(order.item, order.cache_namespace))
             return
         result = _accumulate(before, outcome)
-        if outcome.yielded and store.requeue(job_id, result):
+        if outcome.yielded and self._waiter.call(lambda: store.requeue(job_id, result)):
             done = result.cached_tokens + result.warmed_tokens
             log.info(
                 "warm job %s steps aside at %d of %d tokens", job_id, done, result.prefix_tokens
             )
-            self._warm_runs.enqueue(job_id, resume=result.yielded)
+            self._waiter.call(lambda: self._warm_runs.enqueue(job_id, resume=result.yielded))
             return
         status = JobStatus.CANCELLED if outcome.yielded else JobStatus.FINISHED
-        store.finish(job_id, status, warm=result)
+        self._waiter.call(lambda: self._end_warm(job_id, status, order, result))
+
+    def _end_warm(
+        self, job_id: str, status: JobStatus, order: WarmOrder, result: WarmResult
+    ) -> None:
+        self.store.finish(job_id, status, warm=result)  # a repeat after a failure does nothing
         self._redis.hincrby(keys.metrics_counters(), "warm_tokens", result.warmed_tokens)
         self._warm_runs.done(order.item, order.cache_namespace)
         if self._counters is not None:
@@ -205,8 +238,14 @@ class Runtime:
 
     def _should_yield(self, job_id: str) -> bool:
         """Between chunks of warm prefill: is anyone waiting, or was the job cancelled?"""
-        waiting = any(queue(self._redis, name).count for name in QUEUES[:-1])
-        return waiting or self.store.cancel_requested(job_id)
+        try:
+            waiting = any(queue(self._redis, name).count for name in QUEUES[:-1])
+            stop = waiting or self.store.cancel_requested(job_id)
+        except REDIS_DOWN as exc:  # nobody can be told to wait now: warm on
+            self._waiter.failed(exc)
+            return False
+        self._waiter.succeeded()
+        return stop
 
 
 def _accumulate(before: WarmResult | None, now: WarmResult) -> WarmResult:

@@ -4,7 +4,9 @@ Events produced while a publish is in flight, or within `interval_s` of the last
 together in one script call and one pub/sub message: on a 2-core machine every wake-up of Redis,
 the API and the client takes CPU from decoding. Events are numbered in the order they are put,
 from `first_index` (what earlier attempts of the job published, worker/resume.py); the script
-skips an index already published, so none is published twice.
+skips an index already published, so none is published twice. While Redis is down, events
+wait here and go out once it answers again (publishing again what may have gone out is safe),
+so listeners who resume miss none.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from types import TracebackType
 
 from shared.job_store import JobStore
+from shared.redis_outage import REDIS_DOWN, RedisWaiter
 from shared.schemas import Answer, AnswerEvent, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -22,9 +25,15 @@ log = logging.getLogger(__name__)
 
 class TokenPublisher:
     def __init__(
-        self, store: JobStore, job_id: str, interval_s: float, first_index: int = 0
+        self,
+        store: JobStore,
+        job_id: str,
+        interval_s: float,
+        waiter: RedisWaiter,
+        first_index: int = 0,
     ) -> None:
         self._store = store
+        self._waiter = waiter
         self._job_id = job_id
         self._interval_s = interval_s
         self._pending: list[TokenEvent | AnswerEvent] = []
@@ -67,18 +76,24 @@ class TokenPublisher:
                 self._wake.wait_for(lambda: self._pending or self._closed)
                 batch, self._pending = self._pending, []
                 closed = self._closed
-            if batch:
-                self._publish(batch)
-            if closed and not batch:
-                return
-            if not closed:
+            if not batch:
+                return  # closed, and everything is out
+            if not self._publish(batch):
+                with self._wake:
+                    self._pending[:0] = batch  # first in line once Redis answers
+            elif not closed:
                 time.sleep(self._interval_s)
 
-    def _publish(self, batch: list[TokenEvent | AnswerEvent]) -> None:
+    def _publish(self, batch: list[TokenEvent | AnswerEvent]) -> bool:
+        """Publish the batch; False when Redis was down (after waiting until it answers)."""
         try:
             if self._store.emit(self._job_id, batch):
                 self.cancelled.set()
+        except REDIS_DOWN as exc:
+            self._waiter.wait(exc)
+            return False
         except Exception:  # live tokens are lost; the job's result is still recorded
             log.warning(
                 "publishing %d tokens of job %s failed", len(batch), self._job_id, exc_info=True
             )
+        return True

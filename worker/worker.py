@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
+from functools import partial
 from types import TracebackType
 from typing import Any
 
 from redis import Redis
-from rq import Queue, SimpleWorker
+from redis.client import Pipeline, PubSub, PubSubWorkerThread
+from rq import Queue, SimpleWorker, worker_registration
 from rq.job import Job
 from rq.worker import WorkerStatus
 
 from shared.codec import JsonSerializer
 from shared.queues import QUEUES, queue
+from shared.redis_outage import REDIS_DOWN, RedisWaiter, describe
 from shared.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -29,9 +33,10 @@ log = logging.getLogger(__name__)
 class _Heartbeat:
     """Calls `beat` every `every_s` seconds on a thread until the block exits."""
 
-    def __init__(self, beat: Callable[[], None], every_s: float) -> None:
+    def __init__(self, beat: Callable[[], None], every_s: float, waiter: RedisWaiter) -> None:
         self._beat = beat
         self._every_s = every_s
+        self._waiter = waiter
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -49,14 +54,23 @@ class _Heartbeat:
         while not self._stop.wait(self._every_s):
             try:
                 self._beat()
+                self._waiter.succeeded()
+            except REDIS_DOWN as exc:  # the next beat retries; the job goes on
+                self._waiter.failed(exc)
             except Exception:  # a missed beat is retried; the job must go on
                 log.warning("heartbeat failed", exc_info=True)
 
 
 class GranaryWorker(SimpleWorker):
-    def __init__(self, redis: Redis, settings: WorkerSettings, **kwargs: Any) -> None:
+    """rq's work loop quits on a Redis error anywhere outside its dequeue, and a new process
+    would load the model again: here each step of the loop waits out an outage instead."""
+
+    def __init__(
+        self, redis: Redis, settings: WorkerSettings, waiter: RedisWaiter, **kwargs: Any
+    ) -> None:
         queues = [queue(redis, name) for name in QUEUES]
         self._heartbeat_ttl_s = settings.heartbeat_ttl_s
+        self._waiter = waiter
         super().__init__(
             queues,
             connection=redis,
@@ -74,8 +88,78 @@ class GranaryWorker(SimpleWorker):
         return self._heartbeat_ttl_s
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        execution = self.prepare_execution(job)
-        beat = lambda: self.maintain_heartbeats(job, execution)  # noqa: E731
-        with _Heartbeat(beat, every_s=self._heartbeat_ttl_s / 3):
-            self.perform_job(job, queue, execution)
+        try:
+            execution = self.prepare_execution(job)
+            beat = lambda: self.maintain_heartbeats(job, execution)  # noqa: E731
+            with _Heartbeat(beat, self._heartbeat_ttl_s / 3, self._waiter):
+                self.perform_job(job, queue, execution)
+        except REDIS_DOWN as exc:
+            # rq's bookkeeping around the job broke off. The job's own record (worker/tasks.py
+            # waits out outages) is the truth; rq's registry cleanup re-queues a job it still
+            # thinks is running, and running a job that already ended does nothing.
+            self._waiter.wait(exc)
         self.set_state(WorkerStatus.IDLE)
+
+    def check_for_suspension(self, burst: bool) -> None:
+        self._waiter.call(partial(super().check_for_suspension, burst))
+
+    def run_maintenance_tasks(self) -> None:
+        self._waiter.call(super().run_maintenance_tasks)
+
+    def dequeue_job_and_maintain_ttl(
+        self, timeout: int | None, max_idle_time: int | None = None
+    ) -> tuple[Job, Queue] | None:
+        # rq retries the dequeue itself; the state and heartbeat writes around it it does not.
+        dequeue = partial(super().dequeue_job_and_maintain_ttl, timeout, max_idle_time)
+        return self._waiter.call(dequeue)
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Pipeline | None = None) -> None:
+        if pipeline is not None:  # only queues commands; the pipeline's owner sends them
+            super().heartbeat(timeout, pipeline)
+            return
+        self._waiter.call(partial(self._beat_or_register, timeout))
+
+    def _beat_or_register(self, timeout: int | None) -> None:
+        # After a long outage (or a Redis that lost its data) the registration has expired:
+        # register again, or /readyz and `rq info` would not see a live worker.
+        with self.connection.pipeline() as pipe:
+            pipe.exists(self.key)
+            pipe.sismember(self.redis_workers_keys, self.key)
+            registered = all(pipe.execute())
+        if not registered:
+            log.info("worker %s registers again: Redis lost its registration", self.name)
+            with self.connection.pipeline() as pipe:
+                pipe.hset(self.key, mapping={**self.serialize(), "state": self.get_state()})
+                worker_registration.register(self, pipe)
+                pipe.sadd(Queue.redis_queues_keys, *self.queue_keys())
+                pipe.execute()
+        super().heartbeat(timeout)
+
+    def set_state(self, state: str, pipeline: Pipeline | None = None) -> None:
+        if pipeline is not None:
+            super().set_state(state, pipeline)
+            return
+        self._waiter.call(partial(super().set_state, state))
+
+    def set_shutdown_requested_date(self) -> None:
+        # Called from the SIGTERM handler: an error here would be raised inside the running job.
+        try:
+            super().set_shutdown_requested_date()  # type: ignore[no-untyped-call]
+        except REDIS_DOWN as exc:
+            self._waiter.failed(exc)
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()  # type: ignore[no-untyped-call]
+        except REDIS_DOWN as exc:  # stopping during an outage: the registration expires
+            log.warning("worker %s stops without unregistering (%s)", self.name, describe(exc))
+
+    def _pubsub_exception_handler(
+        self, exc: Exception, pubsub: PubSub, pubsub_thread: PubSubWorkerThread
+    ) -> None:
+        # rq's own handler logs every retry; this one counts them (rq's reconnects by itself).
+        if not isinstance(exc, REDIS_DOWN):
+            super()._pubsub_exception_handler(exc, pubsub, pubsub_thread)
+            return
+        self._waiter.failed(exc)
+        time.sleep(2.0)

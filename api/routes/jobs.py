@@ -9,15 +9,18 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Annotated
 
+import orjson
 from fastapi import APIRouter, Depends, Header
 from fastapi.concurrency import run_in_threadpool
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api.deps import IdempotencyKey, Owner, State, authenticate
+from api.errors import error_body
 from api.state import AppState
 from shared.errors import InvalidRequest
 from shared.job_store import JobEvent
 from shared.queues import INTERACTIVE
+from shared.redis_outage import REDIS_DOWN
 from shared.schemas import ExtractionRequest, JobRequest, JobView
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authenticate)])
@@ -80,8 +83,23 @@ def _parse_last_event_id(value: str | None) -> int:
 
 async def _events(state: AppState, job_id: str, after: int) -> AsyncIterator[bytes]:
     # Events that arrive together (a worker publishes tokens in batches) go in one write.
-    async for batch in state.hub.job_events(job_id, after):
-        yield await _encode(state, job_id, batch)
+    try:
+        async for batch in state.hub.job_events(job_id, after):
+            yield await _encode(state, job_id, batch)
+    except REDIS_DOWN:
+        # The response has started: no status code can say it now, an event can.
+        yield _interrupted()
+
+
+def _interrupted() -> bytes:
+    """The `error` event of a stream whose Redis went away. It has no id, so the client's
+    Last-Event-ID stays that of the last event it got, and resuming with it misses nothing."""
+    message = (
+        "the event stream was interrupted (Redis unavailable); the job goes on: reconnect "
+        "with Last-Event-ID set to the last event's id to resume"
+    )
+    data = orjson.dumps(error_body("unavailable", message)).decode()
+    return ServerSentEvent(data, event="error", sep=SSE_SEP).encode()
 
 
 async def _encode(state: AppState, job_id: str, events: list[JobEvent]) -> bytes:

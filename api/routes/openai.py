@@ -7,6 +7,7 @@ the warmer like any other; api/openai_requests.py says how a request becomes a j
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -22,6 +23,7 @@ from api.openai_requests import ChatRequest, CompletionRequest
 from api.state import AppState
 from shared.errors import ServiceUnavailable
 from shared.queues import INTERACTIVE
+from shared.redis_outage import REDIS_DOWN
 from shared.schemas import JobStatus, JobView
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(authenticate)])
@@ -81,6 +83,8 @@ async def _wait_or_cancel(state: AppState, request: Request, reply: _Reply) -> J
         task.cancel()
     if done_task not in done:
         await run_in_threadpool(state.submitter.cancel, reply.job_id, reply.owner)
+    else:
+        done_task.result()  # Redis went away while waiting: a 503, nothing was sent yet
     view = await run_in_threadpool(state.store.get, reply.job_id)
     if view.status == JobStatus.FAILED:
         raise ServiceUnavailable(f"generation failed: {view.error}")
@@ -101,10 +105,16 @@ async def _stream(state: AppState, reply: _Reply, include_usage: bool) -> AsyncI
                 for chunk in reply.last_chunks(view, include_usage):
                     yield reply.sse(chunk)
                 yield b"data: [DONE]\n\n"
+    except REDIS_DOWN:
+        # The response has started: it ends with an error chunk, not a cut. The job goes on
+        # (the message names it); cancelling it would need Redis too.
+        finished = True
+        yield reply.sse(reply.interrupted())
+        yield b"data: [DONE]\n\n"
     finally:
         if not finished:  # the client went away: stop generating for nobody
             # Starlette cancels this generator when the client leaves; shield the clean-up.
-            with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True), contextlib.suppress(*REDIS_DOWN):
                 await run_in_threadpool(state.submitter.cancel, reply.job_id, reply.owner)
 
 
@@ -154,6 +164,13 @@ class _Reply:
             obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
             chunks.append(self._envelope(obj, []) | {"usage": _usage(view)})
         return chunks
+
+    def interrupted(self) -> dict[str, Any]:
+        message = (
+            "the stream was interrupted (Redis unavailable); the job goes on: "
+            f"GET /v1/jobs/{self.job_id} for its result"
+        )
+        return {"error": {"message": message, "type": "server_error", "code": "unavailable"}}
 
     @staticmethod
     def sse(data: dict[str, Any]) -> bytes:
