@@ -5,6 +5,7 @@
 2. Redis stopped for 30 s under a running job, queued jobs, open streams and the warmer: worker
    and warmer restarts, log lines per second, what the API answers, whether the queued jobs
    finish afterwards, and whether the interrupted streams resume whole with `Last-Event-ID`.
+3. A 50 MB request body: how fast it is refused (413) and what it costs the API in memory.
 
 Loopback only: an API, one worker and the warmer as separate processes, and a private
 redis-server (append-only file on, `appendfsync everysec`) on its own port. Writes docs/SOAK.md.
@@ -358,6 +359,60 @@ def _warm_run_since(stack: Stack, since: float, timeout_s: float) -> bool:
     return False
 
 
+# -- 3: a huge body ---------------------------------------------------------------------------
+
+
+def _post_timed(url: str, content: bytes | Any) -> tuple[int, float]:
+    headers = {"Content-Type": "application/json"}
+    start = time.perf_counter()
+    try:
+        status = httpx.post(url, content=content, headers=headers, timeout=120).status_code
+    except httpx.HTTPError:  # the API may close the connection while a body is still coming
+        status = 0
+    return status, time.perf_counter() - start
+
+
+def _streamed(total: int, chunk: int = 1 << 20) -> Any:
+    yield b'{"prompt": "'
+    for _ in range(total // chunk):
+        yield b"a" * chunk
+    yield b'"}'
+
+
+def body_section(stack: Stack, megabytes: int) -> str:
+    """A body of `megabytes` MB, with its length declared and streamed without one."""
+    url = f"{stack.url}/v1/jobs"
+    api_pid = stack.procs["api"].pid
+    size = megabytes * 1_000_000
+    rows = []
+    for how, content in (
+        ("Content-Length declared", b'{"prompt": "' + b"a" * size + b'"}'),
+        ("chunked, no length", _streamed(size)),
+    ):
+        before = _rss_mb(api_pid)
+        with Sampler(stack.url, api_pid) as sampler:
+            status, took = _post_timed(url, content)
+        grew = max(sampler.rss_mb, default=before) - before
+        rows.append(
+            f"| {how} | {status} | {_verdict(f'{took:.2f} s', took <= 1)} | "
+            f"{_verdict(f'{grew:.0f} MB', grew < 50)} |"
+        )
+    limit = stack.settings.api.max_body_bytes
+    return "\n".join(
+        [
+            f"## A {megabytes} MB request body\n",
+            f"`POST /v1/jobs` with a {megabytes} MB prompt; `api.max_body_bytes` is {limit:,}. "
+            "Time is from the first byte sent to the answer (it includes sending what the API "
+            "read before refusing); memory is the API's peak resident growth meanwhile.\n",
+            "| how it is sent | status | answered within (target ≤ 1 s) "
+            "| API memory growth (target < 50 MB) |",
+            "|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
+
+
 # -- the whole soak ---------------------------------------------------------------------------
 
 
@@ -385,6 +440,7 @@ def run(listeners: int, outage_s: float, port_base: int, outage_listeners: int) 
             stack.start_warmer()
             streams = streams_section(stack, listeners)
             outage = outage_section(stack, server, outage_s, outage_listeners)
+            body = body_section(stack, megabytes=50)
         finally:
             stack.stop()
     return "\n".join(
@@ -400,6 +456,7 @@ def run(listeners: int, outage_s: float, port_base: int, outage_listeners: int) 
             machine.describe(),
             streams,
             outage,
+            body,
         ]
     )
 
