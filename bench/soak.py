@@ -42,8 +42,9 @@ from tests.redis_process import RedisProcess
 
 OUT = REPO / "docs" / "SOAK.md"
 DATA_DIR = REPO / ".data" / "soak"
-# Greedy SmolLM2 goes on for the whole max_tokens after this prompt.
-COUNTING = "Count from 1 to 300, separated by commas."
+# Greedy SmolLM2 goes on counting for the whole max_tokens after this prompt, so a job is
+# still streaming when the outage begins, however idle the machine.
+COUNTING = "Count: 1, 2, 3, 4, 5, 6, 7, 8,"
 LISTENER_PROCESSES = 2
 # uvicorn's access log writes a line per request: the clients' rate, not a flood of errors.
 ACCESS_LINE = re.compile(r'"(GET|POST|DELETE) \S+ HTTP/1\.1" \d{3}')
@@ -299,11 +300,12 @@ def _ride_out(stack: Stack, server: RedisProcess, outage_s: float) -> Outage:
 
 def outage_section(stack: Stack, server: RedisProcess, outage_s: float, n: int) -> str:
     pids = {name: proc.pid for name, proc in stack.procs.items()}
-    jobs = [_submit(stack, max_tokens=400)] + [_submit(stack, max_tokens=40) for _ in range(3)]
+    jobs = [_submit(stack, max_tokens=900)] + [_submit(stack, max_tokens=40) for _ in range(3)]
     _wait_streaming(stack, jobs[0])
     url = f"{stack.url}/v1/jobs/{jobs[0]}/events"
     open_streams = Listeners(url, [None] * n)
     time.sleep(5)  # connected, and streaming
+    running = httpx.get(f"{stack.url}/v1/jobs/{jobs[0]}").json()["status"] == "started"
     outage = _ride_out(stack, server, outage_s)
     interrupted = open_streams.results()
     resumed = Listeners(url, [o["last_id"] for o in interrupted]).results()
@@ -340,6 +342,8 @@ def outage_section(stack: Stack, server: RedisProcess, outage_s: float, n: int) 
             f"{_verdict(finished, finished == len(jobs))} |",
             f"| API answers during the outage | 503 | {answers} |",
             f"| API serving again after Redis answers | | {outage.recovery_s:.1f} s |",
+            f"| the streamed job still running when Redis stopped | yes | "
+            f"{_verdict('yes' if running else 'no', running)} |",
             f"| open streams at the outage: ended with | `error`, 0 cut | {before['error']} "
             f"`error`, {before['done']} `done`, {cut} |",
             f"| the same streams resumed with `Last-Event-ID` | `done` | {after['done']} `done`, "
