@@ -26,7 +26,10 @@ State = Annotated[AppState, Depends(app_state)]
 
 
 def authenticate(request: Request, state: State) -> str | None:
-    """The caller's owner id (None when no keys are set); 401 without a configured key."""
+    """The caller's owner id (None when no keys are set); 401 without a configured key.
+
+    api/guard.py has already refused a bad key before the body was read; this is what gives
+    a route its owner (and keeps a router that is mounted without the guard closed)."""
     return auth.caller(request.headers.get("authorization", ""), state.settings.api_keys)
 
 

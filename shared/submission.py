@@ -142,15 +142,8 @@ class Submitter:
         report = None if document is None else document[1]
         view = self._store.create(job_id, queue_name, order, owner, kind=kind, document=report)
         if idempotency_key is not None:
-            # Scoped by owner: one key's idempotency keys never reach another's jobs.
-            scoped = f"{owner or ''}:{idempotency_key}"
-            try:
-                existing = self._claim_idempotency_key(scoped, job_id, _digest(request))
-            except IdempotencyConflict:
-                self._store.discard(job_id)
-                raise
+            existing = self._deduplicate(job_id, request, owner, idempotency_key)
             if existing is not None:
-                self._store.discard(job_id)
                 return self._store.get(existing)
         function = RUN_EXTRACT if kind == "extract" else RUN_JOB
         enqueue(self._redis, queue_name, function, job_id, self._settings)
@@ -234,6 +227,20 @@ class Submitter:
         view = self._store.cancel(job_id, owner)
         queue(self._redis, view.queue).remove(job_id)
         return view
+
+    def _deduplicate(
+        self, job_id: str, request: JobRequest | ExtractionRequest, owner: str | None, key: str
+    ) -> str | None:
+        """The job `key` already names (this new one is then discarded), or None."""
+        scoped = f"{owner or ''}:{key}"  # one key's idempotency keys never reach another's jobs
+        try:
+            existing = self._claim_idempotency_key(scoped, job_id, _digest(request))
+        except IdempotencyConflict:
+            self._store.discard(job_id)
+            raise
+        if existing is not None:
+            self._store.discard(job_id)
+        return existing
 
     def _claim_idempotency_key(self, key: str, job_id: str, digest: str) -> str | None:
         """Bind `key` to `job_id`; returns the job id it was already bound to, if any.
