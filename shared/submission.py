@@ -149,10 +149,12 @@ class Submitter:
         enqueue(self._redis, queue_name, function, job_id, self._settings)
         return view
 
-    def check_warm_fits(self, item: WarmItem) -> None:
-        """A warm item's prefix must fit the context window, as a request's prompt must."""
-        self._refuse_certain_overflow(item)
+    def warm_item(self, item: WarmItem) -> WarmItem:
+        """The item as it will be warmed (document normalised, as requests normalise it),
+        refused if its prefix does not fit the context window, as a request's prompt is."""
         with self._tokenizing:
+            item = documents.normalized(item)[0]
+            self._refuse_certain_overflow(item)
             n_tokens = len(tokenize(self._tokenizer, render_warm(self._tokenizer, item)))
         n_ctx = self._settings.n_ctx
         if n_tokens >= n_ctx:
@@ -161,6 +163,7 @@ class Submitter:
             raise ContextOverflow(
                 f"{label} is {n_tokens} tokens; the context window is {n_ctx} tokens", field=field
             )
+        return item
 
     def _refuse_certain_overflow(self, request: JobRequest | ExtractionRequest | WarmItem) -> None:
         """Refuse, without tokenizing it, a text too long for the context whatever its tokens.

@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Query
 
 from api.deps import Owner, State, authenticate
-from shared.documents import normalized
 from shared.errors import CacheDisabled
 from shared.schemas import WarmRequest
 from shared.warm_runs import WarmRunView
@@ -22,9 +21,7 @@ def warm(body: WarmRequest, state: State, owner: Owner) -> WarmRunView:
     """
     if state.cache is None:
         raise CacheDisabled("the prefix cache is disabled (cache.enabled): nothing to warm")
-    items = [normalized(item)[0] for item in body.items()]
-    for item in items:
-        state.submitter.check_warm_fits(item)
+    items = [state.submitter.warm_item(item) for item in body.items()]
     namespace = owner if state.settings.cache.per_key else None
     return state.warm_runs.start([(item, namespace) for item in items], "manual", owner=owner)
 
