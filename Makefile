@@ -19,7 +19,7 @@ else
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON
 endif
 
-.PHONY: run test bench soak lint install tools wheel wheel-invariant clean
+.PHONY: run test bench soak lint install tools wheel wheel-invariant peer-server clean
 
 run: $(STAMP)
 	$(BIN)/granary prepare >/dev/null
@@ -28,8 +28,8 @@ run: $(STAMP)
 test: $(STAMP) tools
 	$(BIN)/python -m pytest -q -ra
 
-bench: $(STAMP) wheel-invariant
-	$(BIN)/python -m bench.run --invariant-site $(INVARIANT_SITE)
+bench: $(STAMP) wheel-invariant peer-server
+	$(BIN)/python -m bench.run --invariant-site $(INVARIANT_SITE) --peer-server $(PEER_SERVER)
 
 # Not part of `make test`: 1,000 SSE listeners and a 30 s Redis outage (a few minutes); writes docs/SOAK.md.
 soak: $(STAMP)
@@ -74,6 +74,23 @@ wheel-invariant: $(STAMP)
 	    --no-binary llama-cpp-python -w $(INVARIANT_DIR) llama-cpp-python==$(LLAMA_VERSION) && \
 	  $(BIN)/pip install -q --no-deps --target $(INVARIANT_SITE) \
 	    $(INVARIANT_DIR)/llama_cpp_python-$(LLAMA_VERSION)-*.whl; }
+
+# For bench/conclave.py only: llama.cpp's own `llama-server`, built from the llama.cpp that the
+# llama-cpp-python sdist vendors (the same kernels granary runs), with the same CPU flags.
+PEER_DIR := $(WHEEL_DIR)/llama-server
+PEER_SERVER := $(PEER_DIR)/bin/llama-server
+peer-server: $(STAMP)
+	@test -x $(PEER_SERVER) || { \
+	  echo "building llama.cpp's llama-server from the llama-cpp-python $(LLAMA_VERSION) sdist (5-8 minutes)..." && \
+	  rm -rf $(PEER_DIR)/src && mkdir -p $(PEER_DIR)/src && \
+	  $(BIN)/pip download -q --no-deps --no-binary :all: -d $(PEER_DIR)/src llama-cpp-python==$(LLAMA_VERSION) && \
+	  tar xzf $(PEER_DIR)/src/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(PEER_DIR)/src && \
+	  cmake -S $(PEER_DIR)/src/llama_cpp_python-$(LLAMA_VERSION)/vendor/llama.cpp -B $(PEER_DIR)/build \
+	    -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
+	    -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF $(LLAMA_CMAKE_ARGS) >/dev/null && \
+	  cmake --build $(PEER_DIR)/build --target llama-server -j 2 >/dev/null && \
+	  mkdir -p $(PEER_DIR)/bin && cp $(PEER_DIR)/build/bin/llama-server $(PEER_SERVER) && \
+	  rm -rf $(PEER_DIR)/src $(PEER_DIR)/build; }
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

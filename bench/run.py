@@ -14,6 +14,7 @@ from pathlib import Path
 from bench import (
     batch_rows,
     chunk_shape,
+    conclave,
     extraction,
     job_path,
     machine,
@@ -114,6 +115,11 @@ def _chunk_shape_section(redis_url: str) -> str:
     return chunk_shape.section([_settings(redis_url, m) for m in models])
 
 
+def _conclave_section(redis_url: str, log_dir: Path, server: Path | None) -> str:
+    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
+    return conclave.section(settings, log_dir, server)
+
+
 def _kept(name: str, suite: Callable[[], list[str]]) -> list[str]:
     """A suite that fails is reported in the document; it never costs the others' results."""
     try:
@@ -135,8 +141,17 @@ def main() -> None:
             "speculation",
             "batch_rows",
             "chunk_shape",
+            "conclave",
         ],
-        help="one suite, printed, not written",
+        help="one suite, printed, not written (unless --update)",
+    )
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="with --only: replace that suite's sections in docs/BENCHMARKS.md",
+    )
+    parser.add_argument(
+        "--peer-server", type=Path, help="llama.cpp's llama-server (make peer-server)"
     )
     parser.add_argument(
         "--invariant-site",
@@ -157,6 +172,7 @@ def main() -> None:
             "speculation": lambda: [_speculation_section(redis_url, log_dir, args.quick)],
             "batch_rows": lambda: [_batch_rows_section(redis_url, args.invariant_site)],
             "chunk_shape": lambda: [_chunk_shape_section(redis_url)],
+            "conclave": lambda: [_conclave_section(redis_url, log_dir, args.peer_server)],
         }
         sections = []
         for name, suite in suites.items():
@@ -164,6 +180,8 @@ def main() -> None:
                 sections += _kept(name, suite)
     if args.only:
         print("\n".join(sections))
+        if args.update:
+            OUT.write_text(replace_sections(OUT.read_text(), sections))
         return
     text = (
         "# Benchmarks\n\nWritten by `make bench` (`bench/run.py`); every figure below comes from "
@@ -173,6 +191,21 @@ def main() -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(text)
     print(text)
+
+
+def replace_sections(document: str, sections: list[str]) -> str:
+    """`document` with each of `sections` in place of the one under the same `## ` heading
+    (appended when there is none): one suite's fresh run among the others' earlier ones."""
+    for section in sections:
+        heading = section.split("\n", 1)[0]
+        start = document.find(heading + "\n")
+        if start < 0:
+            document = document.rstrip("\n") + "\n\n" + section
+            continue
+        end = document.find("\n## ", start + len(heading))
+        end = len(document) if end < 0 else end + 1
+        document = document[:start] + section + document[end:]
+    return document
 
 
 if __name__ == "__main__":

@@ -68,6 +68,18 @@ class WorkerSettings(BaseModel):
     # the batch computed them: copy-heavy answers decode much faster, but greedy output can
     # part from plain decoding where two tokens nearly tie.
     speculation_exact: bool = True
+    # Jobs one worker serves at once (the Conclave, worker/conclave/): their tokens are decoded
+    # together, one llama_decode per step, and a new prompt is prefilled a chunk at a time
+    # between steps. 1: one job at a time on the one-job engine (speculation needs it).
+    max_active_jobs: int = Field(8, ge=1, le=48)
+    # Sequences of the Conclave's context (None: max_active_jobs + 4), each with a KV buffer of
+    # n_ctx cells of its own: memory is sequences x n_ctx x the model's KV bytes per token.
+    # Beyond one per job they hold extraction questions and prefixes kept for reuse.
+    sequences: int | None = Field(None, ge=2, le=256)
+    # True: a job's greedy output does not depend on what is decoded beside it; a greedy row
+    # whose top two logits nearly tie is decided again alone (worker/speculation/near_tie.py).
+    # False skips those replays: faster, but such rows can differ from a lone run's.
+    exact_batching: bool = True
 
 
 class JobSettings(BaseModel):

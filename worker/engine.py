@@ -63,7 +63,7 @@ class _Prompt:
         return len(self.tokens) - 1
 
 
-def _breaks(*ends: int | None, limit: int) -> tuple[int, ...]:
+def chunk_breaks(*ends: int | None, limit: int) -> tuple[int, ...]:
     return tuple(sorted({end for end in ends if end is not None and 0 < end < limit}))
 
 
@@ -88,7 +88,6 @@ class Engine:
         self._saver = saver
         self._min_snapshot_tokens = min_snapshot_tokens
         self.speculator = speculator
-        self._vocab = llama_cpp.llama_model_get_vocab(llama.model)
         self.truncatable = memory_is_truncatable(llama)
         # Memory cells before this position were computed by canonical chunks, with these
         # extra chunk ends.
@@ -120,7 +119,7 @@ class Engine:
         # Streamed tokens are prefilled after the prompt, which ends a chunk as it would alone.
         held = [*tokens, *streamed]
         resumed_from = len(tokens) - 1 if streamed else None
-        prompt = _Prompt(held, _breaks(boundary, resumed_from, limit=len(held) - 1))
+        prompt = _Prompt(held, chunk_breaks(boundary, resumed_from, limit=len(held) - 1))
         cached, restore_ms = self._load_prefix(cache, prompt, started)
         prefill_started = time.perf_counter()
         self._prefill(cache, prompt, cached, prompt.limit)
@@ -177,7 +176,7 @@ class Engine:
         (tokens restored, tokens held): fewer than `target` only when `should_yield` stopped it.
         """
         cache = self._enter_namespace(namespace)
-        prompt = _Prompt(tokens, _breaks(target, limit=len(tokens) - 1))
+        prompt = _Prompt(tokens, chunk_breaks(target, limit=len(tokens) - 1))
         cached, _ = self._load_prefix(cache, prompt, time.perf_counter())
         cached = min(cached, target)
         reached = self._prefill(cache, prompt, cached, target, should_yield)
@@ -307,16 +306,16 @@ class Engine:
         max_tokens: int,
         on_token: OnToken,
         streamed: Sequence[int],
-    ) -> _Decoded:
+    ) -> Decoded:
         """Sample after `prompt` (memory holds all of it but the last token), whose tail is
         `streamed`: already published, so only fed to the text stream."""
         llama = self.llama
         llama.set_seed(order.seed)
         stream = text_stream(llama, order.stop, streamed)
-        decoded = _Decoded(count=len(streamed))
+        decoded = Decoded(count=len(streamed))
         if stream.stopped or decoded.count >= max_tokens:  # the earlier attempt got that far
             decoded.finish_reason = "stop" if stream.stopped else "length"
-            return self._end(stream, decoded, on_token)
+            return end_text(stream, decoded, on_token)
         if self.speculator is None or not drafts(order.speculation, order.temperature):
             tokens = llama.generate(
                 prompt[-1:], temp=order.temperature, top_p=order.top_p, reset=False
@@ -335,34 +334,72 @@ class Engine:
         self,
         tokens: Iterator[int],
         stream: TextStream,
-        decoded: _Decoded,
+        decoded: Decoded,
         max_tokens: int,
         on_token: OnToken,
-    ) -> _Decoded:
-        for token in tokens:
-            decoded.tick()
-            if llama_cpp.llama_vocab_is_eog(self._vocab, token):
-                decoded.finish_reason = "stop"
-                break
-            decoded.count += 1
-            piece = stream.feed(self.llama.detokenize([token]))
-            if on_token(token, piece):
-                decoded.finish_reason = "cancelled"
-                break
-            if stream.stopped:
-                decoded.finish_reason = "stop"
-                break
-            if decoded.count >= max_tokens:
-                break
-        return self._end(stream, decoded, on_token)
+    ) -> Decoded:
+        return consume(self.llama, tokens, stream, decoded, max_tokens, on_token)
 
-    @staticmethod
-    def _end(stream: TextStream, decoded: _Decoded, on_token: OnToken) -> _Decoded:
-        tail = stream.flush()
-        if tail:
-            on_token(None, tail)
-        decoded.text = stream.text
-        return decoded
+
+def consume(
+    llama: Llama,
+    tokens: Iterator[int],
+    stream: TextStream,
+    decoded: Decoded,
+    max_tokens: int,
+    on_token: OnToken,
+) -> Decoded:
+    """Turn sampled tokens into text pieces for `on_token` until a stop, the end or a cancel."""
+    sink = TextSink(llama, stream, decoded, max_tokens, on_token)
+    for token in tokens:
+        if sink.push(token):
+            break
+    return end_text(stream, decoded, on_token)
+
+
+class TextSink:
+    """A job's sampled tokens become text, published as they come, up to a stop."""
+
+    def __init__(
+        self,
+        llama: Llama,
+        stream: TextStream,
+        decoded: Decoded,
+        max_tokens: int,
+        on_token: OnToken,
+    ) -> None:
+        self._llama = llama
+        self._vocab = llama_cpp.llama_model_get_vocab(llama.model)
+        self._stream = stream
+        self.decoded = decoded
+        self._max_tokens = max_tokens
+        self._on_token = on_token
+
+    def push(self, token: int) -> bool:
+        """Take one sampled token; True when no more are wanted."""
+        decoded = self.decoded
+        decoded.tick()
+        if llama_cpp.llama_vocab_is_eog(self._vocab, token):
+            decoded.finish_reason = "stop"
+            return True
+        decoded.count += 1
+        piece = self._stream.feed(self._llama.detokenize([token]))
+        if self._on_token(token, piece):
+            decoded.finish_reason = "cancelled"
+            return True
+        if self._stream.stopped:
+            decoded.finish_reason = "stop"
+            return True
+        return decoded.count >= self._max_tokens
+
+
+def end_text(stream: TextStream, decoded: Decoded, on_token: OnToken) -> Decoded:
+    """Release the text a stop string held back, and keep the whole text."""
+    tail = stream.flush()
+    if tail:
+        on_token(None, tail)
+    decoded.text = stream.text
+    return decoded
 
 
 def memory_is_truncatable(llama: Llama) -> bool:
@@ -380,7 +417,7 @@ def memory_is_truncatable(llama: Llama) -> bool:
 
 
 @dataclass
-class _Decoded:
+class Decoded:
     count: int = 0
     ticks: int = 0
     text: str = ""

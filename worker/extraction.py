@@ -13,6 +13,8 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
+from llama_cpp import Llama
+
 from shared.llm import document_prompts
 from shared.schemas import (
     Answer,
@@ -42,10 +44,10 @@ class Extracted:
 
 
 @dataclass
-class _Answering:
+class Answering:
     """The text side of every question while they decode: streams, stops, cancellation."""
 
-    engine: Engine
+    llama: Llama
     order: ExtractOrder
     publisher: TokenPublisher
     prompt_tokens: list[int]
@@ -58,7 +60,7 @@ class _Answering:
     cancelled: bool = False
 
     def __post_init__(self) -> None:
-        llama, stop = self.engine.llama, self.order.stop
+        llama, stop = self.llama, self.order.stop
         self.streams = [
             text_stream(llama, stop, self.streamed.of(q.id)) for q in self.order.questions
         ]
@@ -81,7 +83,7 @@ class _Answering:
 
     def on_token(self, index: int, token: int) -> bool:
         stream = self.streams[index]
-        piece = stream.feed(self.engine.llama.detokenize([token]))
+        piece = stream.feed(self.llama.detokenize([token]))
         if self.publisher.token(token, piece, question=self.order.questions[index].id):
             self.cancelled = True
         return self.cancelled or stream.stopped
@@ -126,9 +128,26 @@ def extract(
     prefilled = time.perf_counter()
     prompt_tokens = [len(prefix) + len(t) for t in tails]
     offset_ms = (prefilled - started) * 1000
-    answering = _Answering(engine, order, publisher, prompt_tokens, cached, offset_ms, streamed)
+    answering = Answering(llama, order, publisher, prompt_tokens, cached, offset_ms, streamed)
     open_ = answering.open_questions()
     report = _decode(engine, order, answering, prefix, tails, open_) if open_ else None
+    outcome = extraction_outcome(
+        order, answering, prefix, tails, cached, started, prefilled, streamed
+    )
+    return Extracted(outcome.result, outcome.usage, outcome.timings, len(prefix), report)
+
+
+def extraction_outcome(
+    order: ExtractOrder,
+    answering: Answering,
+    prefix: list[int],
+    tails: list[list[int]],
+    cached: int,
+    started: float,
+    prefilled: float,
+    streamed: Streamed,
+) -> Extracted:
+    """The job's result, usage and timings once every question is answered."""
     ids = [q.id for q in order.questions]
     answers = {i: answering.answers[i] for i in ids}
     result = ExtractionResult(
@@ -143,13 +162,13 @@ def extract(
     )
     first = min((a.timings.ttft_ms for a in answers.values() if a.timings.ttft_ms), default=None)
     timings = Timings(prefill_ms=(prefilled - started) * 1000, ttft_ms=first)
-    return Extracted(result, usage, timings, len(prefix), report)
+    return Extracted(result, usage, timings, len(prefix), None)
 
 
 def _decode(
     engine: Engine,
     order: ExtractOrder,
-    answering: _Answering,
+    answering: Answering,
     prefix: list[int],
     tails: list[list[int]],
     open_: list[int],

@@ -1,7 +1,8 @@
 """Copying one sequence's KV state out of a llama.cpp context and back in.
 
-Only sequence 0 is used. A snapshot is taken right after prefill, so it holds the prompt's
-cells and nothing else; only the disk write happens later, on another thread.
+A snapshot is taken right after prefill, so it holds the prompt's cells and nothing else;
+only the disk write happens later, on another thread. The one-job engine uses sequence 0; the
+Conclave (worker/conclave/) any of its sequences.
 """
 
 from __future__ import annotations
@@ -14,12 +15,24 @@ from llama_cpp import Llama
 SEQ = 0
 
 
-def capture(llama: Llama) -> bytes:
+def capture(llama: Llama, seq: int = SEQ) -> bytes:
     ctx = llama.ctx
-    size = llama_cpp.llama_state_seq_get_size(ctx, SEQ)
+    size = llama_cpp.llama_state_seq_get_size(ctx, seq)
     buffer = (ctypes.c_uint8 * size)()
-    written = llama_cpp.llama_state_seq_get_data(ctx, buffer, size, SEQ)
+    written = llama_cpp.llama_state_seq_get_data(ctx, buffer, size, seq)
     return bytes(memoryview(buffer)[:written])
+
+
+def restore_into(llama: Llama, seq: int, state: bytes, n_tokens: int) -> bool:
+    """Replace sequence `seq`'s cells by `state`'s first `n_tokens`; False leaves it empty."""
+    mem = llama_cpp.llama_get_memory(llama.ctx)
+    llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+    source = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
+    loaded = llama_cpp.llama_state_seq_set_data(llama.ctx, source, len(state), seq) != 0
+    if not loaded or not llama_cpp.llama_memory_seq_rm(mem, seq, n_tokens, -1):
+        llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
+        return False
+    return True
 
 
 def restore(llama: Llama, state: bytes, tokens: list[int], n_tokens: int) -> bool:

@@ -4,25 +4,36 @@ from __future__ import annotations
 
 import logging
 
+import llama_cpp
+from redis import Redis
+
 from shared.job_store import JobStore
 from shared.models import resolve_model
-from shared.prefix_cache import CounterPublisher, model_fingerprint, open_cache
+from shared.prefix_cache import CounterPublisher, PrefixCache, model_fingerprint, open_cache
 from shared.redis_outage import RedisWaiter
 from shared.redis_server import connect
 from shared.settings import Settings
 from shared.warm_runs import WarmRuns
 from worker import tasks
+from worker.conclave.engine import ConclaveEngine
+from worker.conclave.loop import Conclave
 from worker.engine import Engine, memory_is_truncatable
 from worker.multi_sequence import load_multi_sequence_llama
 from worker.prefix_saver import PrefixSaver
 from worker.speculation import Speculator
 from worker.speculation.archive import DraftArchive
-from worker.worker import GranaryWorker
+from worker.worker import ConclaveWorker, GranaryWorker
 
 log = logging.getLogger(__name__)
 
 
-def build_engine(settings: Settings) -> Engine:
+def build_engine(settings: Settings) -> Engine | ConclaveEngine:
+    if settings.worker.max_active_jobs > 1:
+        return build_conclave(settings)
+    return build_one_job_engine(settings)
+
+
+def build_one_job_engine(settings: Settings) -> Engine:
     # Sequence 0 holds every job's prompt; extraction questions fork into the others.
     llama = load_multi_sequence_llama(settings, settings.worker.max_sequences + 1)
     block_tokens = settings.cache.block_tokens
@@ -31,6 +42,38 @@ def build_engine(settings: Settings) -> Engine:
         return Engine(llama, block_tokens, speculator=speculator)
     cache = open_cache(settings, truncatable=memory_is_truncatable(llama))
     return Engine(llama, block_tokens, cache, PrefixSaver(), settings.cache.min_tokens, speculator)
+
+
+def build_conclave(settings: Settings) -> ConclaveEngine:
+    worker = settings.worker
+    n_seq = min(
+        worker.sequences or worker.max_active_jobs + 4,
+        llama_cpp.llama_max_parallel_sequences(),
+    )
+    llama = load_multi_sequence_llama(settings, n_seq, n_ctx=n_seq * settings.n_ctx, unified=False)
+    truncatable = memory_is_truncatable(llama)
+    cache = open_cache(settings, truncatable=truncatable) if settings.cache.enabled else None
+    saver = PrefixSaver() if cache is not None else None
+    namespaced: dict[str, PrefixCache] = {}
+
+    def cache_for(namespace: str | None) -> PrefixCache | None:
+        if cache is None or namespace is None:
+            return cache
+        return namespaced.setdefault(namespace, cache.namespaced(namespace))
+
+    conclave = Conclave(
+        llama,
+        cache_for,
+        saver,
+        block_tokens=settings.cache.block_tokens,
+        min_snapshot_tokens=settings.cache.min_tokens,
+        n_seq=n_seq,
+        truncatable=truncatable,
+        exact=worker.exact_batching,
+    )
+    return ConclaveEngine(
+        llama, conclave, settings.n_ctx, settings.cache.block_tokens, cache_for, cache, saver
+    )
 
 
 def _speculator(settings: Settings) -> Speculator:
@@ -49,7 +92,11 @@ def run_worker(settings: Settings) -> None:
     waiter = RedisWaiter(redis, log)
     engine = build_engine(settings)
     log.info(
-        "model %s loaded (%d threads, n_ctx %d)", settings.model, settings.threads, engine.n_ctx
+        "model %s loaded (%d threads, n_ctx %d, %d jobs at once)",
+        settings.model,
+        settings.threads,
+        engine.n_ctx,
+        settings.worker.max_active_jobs,
     )
     store = JobStore(redis, settings.jobs.result_ttl_s)
     counters = CounterPublisher(redis, engine.cache) if engine.cache is not None else None
@@ -58,9 +105,18 @@ def run_worker(settings: Settings) -> None:
     runtime = tasks.Runtime(engine, redis, store, warm_runs, interval_s, waiter, counters)
     tasks.bind(runtime)
     try:
-        worker = waiter.call(lambda: GranaryWorker(redis, settings.worker, waiter))
+        worker = waiter.call(lambda: _rq_worker(redis, settings, waiter, engine))
         worker.work(logging_level=settings.log_level)
     finally:
         engine.close()
         if counters is not None:  # the snapshots written just now count too
             counters.publish()
+
+
+def _rq_worker(
+    redis: Redis, settings: Settings, waiter: RedisWaiter, engine: Engine | ConclaveEngine
+) -> GranaryWorker:
+    if isinstance(engine, ConclaveEngine):
+        conclave = engine.conclave
+        return ConclaveWorker(redis, settings.worker, waiter, conclave.free_sequences)
+    return GranaryWorker(redis, settings.worker, waiter)

@@ -88,14 +88,18 @@ class Answer:
     first_logits: Logits | None = None  # only with keep_first_logits
 
 
-def load_multi_sequence_llama(settings: Settings, n_seq_max: int) -> Llama:
+def load_multi_sequence_llama(
+    settings: Settings, n_seq_max: int, n_ctx: int | None = None, unified: bool = True
+) -> Llama:
     """A Llama whose context holds `n_seq_max` sequences in one unified KV cache.
 
     Llama.__init__ only sets n_seq_max and kv_unified for embedding contexts, and creates its
     context before returning, so the context is replaced by one built from the same parameters
     with these two changed. Everything the Llama object tracks (n_ctx, input_ids, its batch)
-    stays valid: the context size is the same. Unified matters: with a stream per sequence each
-    would hold only n_ctx / n_seq_max cells, too few for a long shared prefix.
+    stays valid when the context size is the same; with `n_ctx` (a larger pool of cells shared
+    by several jobs) only the raw context is used, never Llama.eval. Unified matters: with a
+    stream per sequence each would hold only n_ctx / n_seq_max cells, too few for a long
+    shared prefix.
     """
     if not 2 <= n_seq_max <= llama_cpp.llama_max_parallel_sequences():
         raise ValueError(
@@ -104,7 +108,9 @@ def load_multi_sequence_llama(settings: Settings, n_seq_max: int) -> Llama:
     llama = load_llama(settings)
     params = llama.context_params
     params.n_seq_max = n_seq_max
-    params.kv_unified = True
+    params.kv_unified = unified
+    if n_ctx is not None:
+        params.n_ctx = n_ctx
     with quiet_native_logs():
         context = internals.LlamaContext(model=llama._model, params=params, verbose=False)
     previous = llama._ctx

@@ -12,6 +12,7 @@ from functools import partial
 from typing import TypeVar
 
 from redis import Redis
+from rq import get_current_job
 from rq.job import Job
 
 from shared import keys
@@ -35,6 +36,8 @@ from shared.schemas import (
     WorkOrder,
 )
 from shared.warm_runs import WarmRuns
+from worker.conclave import questions
+from worker.conclave.engine import ConclaveEngine
 from worker.engine import Engine, Generation
 from worker.extraction import Extracted, extract
 from worker.resume import NOTHING, Streamed, read_back
@@ -51,7 +54,7 @@ class Runtime:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | ConclaveEngine,
         redis: Redis,
         store: JobStore,
         warm_runs: WarmRuns,
@@ -112,13 +115,17 @@ class Runtime:
         self, job_id: str, publisher: TokenPublisher, streamed: Streamed
     ) -> tuple[WorkOrder, Generation]:
         order = self._waiter.call(lambda: self.store.order(job_id, WorkOrder))
-        generation = self.engine.generate(order, publisher.token, streamed.of(None))
-        return order, generation
+        if isinstance(self.engine, ConclaveEngine):
+            tokens = streamed.of(None)
+            return order, self.engine.generate(order, publisher.token, tokens, _priority())
+        return order, self.engine.generate(order, publisher.token, streamed.of(None))
 
     def _extract(
         self, job_id: str, publisher: TokenPublisher, streamed: Streamed
     ) -> tuple[ExtractOrder, Extracted]:
         order = self._waiter.call(lambda: self.store.order(job_id, ExtractOrder))
+        if isinstance(self.engine, ConclaveEngine):
+            return order, questions.extract(self.engine, order, publisher, streamed, _priority())
         return order, extract(self.engine, order, publisher, streamed)
 
     def _execute(self, job_id: str, work: Work[Outcome]) -> Outcome | None:
@@ -211,7 +218,11 @@ class Runtime:
         order = self._waiter.call(lambda: store.order(job_id, WarmOrder))
         before = self._waiter.call(lambda: store.get(job_id).warm)
         try:
-            outcome = self.engine.warm(order, lambda: self._should_yield(job_id))
+            if isinstance(self.engine, ConclaveEngine):
+                stop = partial(self._cancel_requested, job_id)
+                outcome = self.engine.warm(order, stop)
+            else:
+                outcome = self.engine.warm(order, lambda: self._should_yield(job_id))
         except Exception as exc:
             self._fail(job_id, exc)
             self._waiter.call(lambda: self._warm_runs.done(order.item, order.cache_namespace))
@@ -236,6 +247,13 @@ class Runtime:
         if self._counters is not None:
             self._counters.publish()
 
+    def _cancel_requested(self, job_id: str) -> bool:
+        try:
+            return self.store.cancel_requested(job_id)
+        except REDIS_DOWN as exc:  # warm on; the next poll asks again
+            self._waiter.failed(exc)
+            return False
+
     def _should_yield(self, job_id: str) -> bool:
         """Between chunks of warm prefill: is anyone waiting, or was the job cancelled?"""
         try:
@@ -246,6 +264,13 @@ class Runtime:
             return False
         self._waiter.succeeded()
         return stop
+
+
+def _priority() -> int:
+    """The job's priority class: the position of its rq queue (interactive first)."""
+    job = get_current_job()
+    origin = job.origin if job is not None else None
+    return QUEUES.index(origin) if origin in QUEUES else 0
 
 
 def _accumulate(before: WarmResult | None, now: WarmResult) -> WarmResult:

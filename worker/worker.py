@@ -20,10 +20,11 @@ from redis import Redis
 from redis.client import Pipeline, PubSub, PubSubWorkerThread
 from rq import Queue, SimpleWorker, worker_registration
 from rq.job import Job
+from rq.timeouts import TimerDeathPenalty
 from rq.worker import WorkerStatus
 
 from shared.codec import JsonSerializer
-from shared.queues import QUEUES, queue
+from shared.queues import QUEUES, WARM, queue
 from shared.redis_outage import REDIS_DOWN, RedisWaiter, describe
 from shared.settings import WorkerSettings
 
@@ -163,3 +164,92 @@ class GranaryWorker(SimpleWorker):
             return
         self._waiter.failed(exc)
         time.sleep(2.0)
+
+
+class ConclaveWorker(GranaryWorker):
+    """Runs up to `max_active_jobs` jobs at once, each on a thread of its own, whose streams the
+    Conclave (worker/conclave/) decodes together.
+
+    Every job keeps what rq gives one: its execution in the started registry, its heartbeat,
+    retries and failure callback. The loop takes another job only while fewer than
+    `max_active_jobs` run and a sequence of the context is free (each holds any request up to
+    n_ctx), so a job that cannot run yet waits in Redis, where any other worker may take it.
+    A warm job is taken only when no other job runs.
+    """
+
+    # rq's default raises the timeout with SIGALRM, which only reaches the main thread.
+    death_penalty_class = TimerDeathPenalty
+
+    def __init__(
+        self,
+        redis: Redis,
+        settings: WorkerSettings,
+        waiter: RedisWaiter,
+        free_sequences: Callable[[], int],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(redis, settings, waiter, **kwargs)
+        self._max_active = settings.max_active_jobs
+        self._free_sequences = free_sequences
+        self._active: dict[str, tuple[threading.Thread, str]] = {}
+        self._changed = threading.Condition()
+        self._all_queues = list(self._ordered_queues)
+
+    @property
+    def active_jobs(self) -> int:
+        return len(self._active)
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        try:
+            execution = self.prepare_execution(job)
+        except REDIS_DOWN as exc:  # as GranaryWorker.execute_job: the registry re-queues it
+            self._waiter.wait(exc)
+            return
+        thread = threading.Thread(
+            target=self._perform, args=(job, queue, execution), name=f"job-{job.id}", daemon=True
+        )
+        with self._changed:
+            self._active[execution.id] = (thread, queue.name)
+        thread.start()
+
+    def _perform(self, job: Job, queue: Queue, execution: Any) -> None:
+        try:
+            beat = lambda: self.maintain_heartbeats(job, execution)  # noqa: E731
+            with _Heartbeat(beat, self._heartbeat_ttl_s / 3, self._waiter):
+                self.perform_job(job, queue, execution)
+        except REDIS_DOWN as exc:
+            self._waiter.wait(exc)
+        finally:
+            with self._changed:
+                del self._active[execution.id]
+                self._changed.notify_all()
+
+    def dequeue_job_and_maintain_ttl(
+        self, timeout: int | None, max_idle_time: int | None = None
+    ) -> tuple[Job, Queue] | None:
+        self._wait_for_room()
+        warm_running = any(name == WARM for _, name in self._active.values())
+        self._ordered_queues = [
+            q for q in self._all_queues if q.name != WARM or not (warm_running or self._active)
+        ]
+        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+
+    def _wait_for_room(self) -> None:
+        with self._changed:
+            while not self._stop_requested and not self._has_room():
+                self._changed.wait(timeout=1.0)
+
+    def _has_room(self) -> bool:
+        return len(self._active) < self._max_active and self._free_sequences() > 0
+
+    def set_state(self, state: str, pipeline: Pipeline | None = None) -> None:
+        # rq marks the worker idle around every dequeue; with jobs running it is busy.
+        if state == WorkerStatus.IDLE and self._active:
+            state = WorkerStatus.BUSY
+        super().set_state(state, pipeline)
+
+    def teardown(self) -> None:
+        """A warm shutdown lets every running job finish first."""
+        for thread, _ in list(self._active.values()):
+            thread.join()
+        super().teardown()

@@ -148,15 +148,19 @@ def test_cancel_running_job_stops_within_a_few_tokens(stack: Stack) -> None:
     assert final["result"]["finish_reason"] == "cancelled"
 
 
-def test_cancel_queued_job_never_runs(stack: Stack) -> None:
-    busy = submit(stack, {**COUNTING, "max_tokens": 200})
+def test_cancel_queued_job_never_runs(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory(worker={"max_active_jobs": 2})
+    # Both of the worker's slots are taken: the third job waits in the queue.
+    busy = [submit(stack, {**COUNTING, "max_tokens": 200}) for _ in range(2)]
     queued = submit(stack, {**COUNTING, "max_tokens": 5})
-    first_tokens(stack, busy["id"], 1)
+    for job in busy:
+        first_tokens(stack, job["id"], 1)
     cancelled = httpx.delete(f"{stack.url}/v1/jobs/{queued['id']}").json()
     assert cancelled["status"] == "cancelled"
     assert events(stack, queued["id"])[-1][2]["status"] == "cancelled"
-    httpx.delete(f"{stack.url}/v1/jobs/{busy['id']}")
-    wait_status(stack, busy["id"], {"cancelled"})
+    for job in busy:
+        httpx.delete(f"{stack.url}/v1/jobs/{job['id']}")
+        wait_status(stack, job["id"], {"cancelled"})
     # The worker moves on past the cancelled job without running it.
     after = submit(stack, {**COUNTING, "max_tokens": 2})
     assert events(stack, after["id"])[-1][2]["status"] == "finished"
@@ -180,7 +184,10 @@ def test_health_and_readiness(stack: Stack) -> None:
 
 
 # Drafting without tie replays decides by timing: its re-run could not repeat the first run.
-SPECULATING = {"jobs": {"speculation": "auto"}, "worker": {"speculation_exact": False}}
+SPECULATING = {
+    "jobs": {"speculation": "auto"},
+    "worker": {"speculation_exact": False, "max_active_jobs": 1},
+}
 
 
 @pytest.mark.parametrize("overrides", [{}, SPECULATING], ids=["plain", "speculating"])

@@ -21,7 +21,7 @@ COPY = {"prompt": f"Repeat this exactly:\n{TEXT}\nRepeat:\n", "max_tokens": 48, 
 def test_speculation_gives_plain_output_and_reports_drafts(
     stack_factory: Callable[..., Stack],
 ) -> None:
-    stack = stack_factory(worker={"speculation_exact": True})
+    stack = stack_factory(worker={"speculation_exact": True, "max_active_jobs": 1})
     plain = wait_status(
         stack, submit(stack, COPY | {"speculation": "off"})["id"], {"finished"}, 120
     )
@@ -46,7 +46,7 @@ def test_requests_do_not_speculate_unless_asked(stack: Stack) -> None:
 
 
 def test_auto_leaves_sampled_requests_plain_and_seeded(stack_factory: Callable[..., Stack]) -> None:
-    stack = stack_factory()
+    stack = stack_factory(worker={"max_active_jobs": 1})
     sampled = COPY | {"temperature": 0.8, "seed": 11, "speculation": "auto"}
     first = wait_status(stack, submit(stack, sampled)["id"], {"finished"}, 120)
     again = wait_status(stack, submit(stack, sampled)["id"], {"finished"}, 120)
@@ -59,7 +59,7 @@ def test_auto_leaves_sampled_requests_plain_and_seeded(stack_factory: Callable[.
 
 
 def test_extraction_drafts_inside_its_questions(stack_factory: Callable[..., Stack]) -> None:
-    stack = stack_factory(worker={"speculation_exact": True})
+    stack = stack_factory(worker={"speculation_exact": True, "max_active_jobs": 1})
     body = {
         "document": TEXT,
         "questions": [{"id": "copy", "question": "Repeat the document exactly."}],

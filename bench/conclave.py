@@ -1,0 +1,231 @@
+"""Many users at once on one worker (the Conclave), side by side with llama.cpp's llama-server.
+
+A: N clients each stream one OpenAI chat completion at the same moment (distinct ~115-token
+prompts, 64 tokens, greedy): total completion tokens per second of wall time, and the p50 of
+each client's time to first token. B: one client asks about a ~3,000-token document; one
+second later four short chats arrive: their p95 TTFT, and the long request's TTFT against its
+TTFT alone (another document of the same length, so no cache helps either).
+
+Every system runs alone on the machine, with the same model file and 2 threads: granary
+(API + one worker; `worker.exact_batching` on, the default, and off) and `llama-server -np 8
+-kvu` built from the llama.cpp llama-cpp-python vendors (`make peer-server`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import orjson
+
+from shared.models import resolve_model
+from shared.settings import Settings
+from tests.harness import Stack, _get_ok, _wait_for, free_port
+
+CLIENTS = (1, 4, 8)
+MAX_TOKENS = 64
+SHORT_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    started: float
+    first: float | None
+    ended: float
+    tokens: int
+
+    @property
+    def ttft(self) -> float:
+        return (self.first or self.ended) - self.started
+
+
+def prompt(i: int) -> str:
+    """A distinct ~115-token request (no two share more than the template's first tokens)."""
+    return (
+        f"Customer {i * 7919 % 10007} wrote about order {i * 104729 % 99991}: the parcel "
+        f"arrived on day {i % 28 + 1} with {i % 5 + 2} items missing, the box was damaged on "
+        f"side {'ABCD'[i % 4]}, and the invoice listed a price of {i * 13 % 97 + 10}.50 euros "
+        f"instead of {i * 17 % 89 + 5}.25 euros. They ask for a refund of the difference and "
+        f"a replacement of the missing items within {i % 9 + 3} days. Write a polite reply that "
+        "confirms each point, says what happens next, and asks one clarifying question."
+    )
+
+
+def document(seed: int, lines: int = 120) -> str:
+    """A ~3,000-token (Qwen) inventory document; another seed gives other numbers."""
+    return "\n".join(
+        f"Shelf {seed}-{n}: {n * 37 % 91 + seed} crates of {('pears', 'apples', 'plums')[n % 3]}, "
+        f"checked on day {(n * 11 + seed) % 28 + 1} by clerk {(n * 7 + seed) % 13}."
+        for n in range(lines)
+    )
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, text: str, max_tokens: int, delay_s: float = 0.0
+) -> Reply:
+    await asyncio.sleep(delay_s)
+    body = {
+        "model": "bench",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    first, tokens = None, 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = orjson.loads(line[6:])
+            choices = chunk.get("choices") or []
+            if first is None and choices and (choices[0].get("delta") or {}).get("content"):
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return Reply(started, first, time.perf_counter(), tokens)
+
+
+async def _at_once(url: str, texts: list[str], max_tokens: int) -> list[Reply]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        return list(await asyncio.gather(*(stream_chat(client, url, t, max_tokens) for t in texts)))
+
+
+async def _long_and_short(url: str, doc: str, shorts: list[str]) -> tuple[Reply, list[Reply]]:
+    question = f"{doc}\n\nWhich shelf holds the most crates of plums? Answer briefly."
+    async with httpx.AsyncClient(timeout=600) as client:
+        long = stream_chat(client, url, question, SHORT_TOKENS)
+        others = [stream_chat(client, url, t, SHORT_TOKENS, delay_s=1.0) for t in shorts]
+        replies = await asyncio.gather(long, *others)
+    return replies[0], list(replies[1:])
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRow:
+    system: str
+    clients: int
+    tok_s: float
+    ttft_p50: float
+
+
+@dataclass(frozen=True, slots=True)
+class MixRow:
+    system: str
+    short_p95: float
+    long_ttft: float
+    long_alone: float
+
+
+def measure(url: str, system: str, offset: int) -> tuple[list[LoadRow], MixRow]:
+    """Both scenarios against a running server; `offset` keeps prompts unseen by earlier runs."""
+    rows = []
+    asyncio.run(_at_once(url, [prompt(offset + 999)], 4))  # warm-up: load pages, JIT nothing
+    for n in CLIENTS:
+        texts = [prompt(offset + n * 10 + i) for i in range(n)]
+        replies = asyncio.run(_at_once(url, texts, MAX_TOKENS))
+        wall = max(r.ended for r in replies) - min(r.started for r in replies)
+        tokens = sum(r.tokens for r in replies)
+        rows.append(LoadRow(system, n, tokens / wall, statistics.median(r.ttft for r in replies)))
+    alone, _ = asyncio.run(_long_and_short(url, document(offset + 1), []))
+    shorts = [prompt(offset + 500 + i) for i in range(4)]
+    long, others = asyncio.run(_long_and_short(url, document(offset + 2), shorts))
+    p95 = sorted(r.ttft for r in others)[-1]  # the worst of four
+    return rows, MixRow(system, p95, long.ttft, alone.ttft)
+
+
+@contextmanager
+def granary(settings: Settings, log_dir: Path, exact: bool) -> Iterator[str]:
+    worker = {"exact_batching": exact, "max_active_jobs": 8}
+    run = settings.model_copy(update={"worker": settings.worker.model_copy(update=worker)})
+    stack = Stack(run, log_dir)
+    try:
+        stack.start_api()
+        stack.start_worker()
+        yield stack.url
+    finally:
+        stack.stop()
+
+
+@contextmanager
+def llama_server(server: Path, settings: Settings, log_dir: Path) -> Iterator[str]:
+    port = free_port()
+    model = resolve_model(settings.model, settings.data_dir)
+    command = [
+        str(server),
+        *("-m", str(model), "--port", str(port), "--host", "127.0.0.1"),
+        *("-t", str(settings.threads), "-tb", str(settings.threads)),
+        *("-c", str(8 * settings.n_ctx), "-np", "8", "-kvu"),
+    ]
+    log = (log_dir / "llama-server.log").open("wb")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: _get_ok(f"http://127.0.0.1:{port}/health"), "llama-server", 180)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(30)
+        log.close()
+
+
+def section(settings: Settings, log_dir: Path, server: Path | None) -> str:
+    loads: list[LoadRow] = []
+    mixes: list[MixRow] = []
+    runs = [("granary, exact (default)", True), ("granary, exact_batching off", False)]
+    for offset, (name, exact) in enumerate(runs):
+        with granary(settings, log_dir, exact) as url:
+            rows, mix = measure(url, name, offset * 10_000)
+        loads += rows
+        mixes.append(mix)
+    if server is not None and server.exists():
+        with llama_server(server, settings, log_dir) as url:
+            rows, mix = measure(url, "llama-server -np 8 -kvu", 90_000)
+        loads += rows
+        mixes.append(mix)
+    return _render(loads, mixes, peer=server is not None and server.exists())
+
+
+def _render(loads: list[LoadRow], mixes: list[MixRow], peer: bool) -> str:
+    peer_rows = {r.clients: r for r in loads if r.system.startswith("llama-server")}
+    lines = [
+        "## Many users on one worker (the Conclave)",
+        "",
+        "`bench/conclave.py`: Qwen2.5-0.5B, 2 threads, one worker; streaming OpenAI chat, distinct "
+        f"~115-token prompts, {MAX_TOKENS} tokens each, greedy, all clients at once. "
+        "tok/s: completion tokens over the wall time of the round.",
+        "",
+        "| system | clients | tok/s | TTFT p50 s | tok/s vs peer | TTFT vs peer |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in loads:
+        peer_row = peer_rows.get(r.clients)
+        ratio = f"{r.tok_s / peer_row.tok_s:.2f}×" if peer_row else "–"
+        ttft = f"{r.ttft_p50 / peer_row.ttft_p50:.2f}×" if peer_row else "–"
+        lines.append(
+            f"| {r.system} | {r.clients} | {r.tok_s:.1f} | {r.ttft_p50:.2f} | {ratio} | {ttft} |"
+        )
+    if not peer:
+        lines += ["", "llama-server was not built (`make peer-server`): no peer column."]
+    lines += [
+        "",
+        "A ~3,000-token document question, and four short chats arriving 1 s later "
+        f"({SHORT_TOKENS} tokens each). Targets: short chats' p95 TTFT ≤ 3 s, the long one's "
+        "TTFT ≤ 1.25× alone.",
+        "",
+        "| system | short chats p95 TTFT s | long TTFT s | long alone s | long / alone |",
+        "|---|---|---|---|---|",
+    ]
+    for m in mixes:
+        lines.append(
+            f"| {m.system} | {m.short_p95:.2f} | {m.long_ttft:.2f} | {m.long_alone:.2f} | "
+            f"{m.long_ttft / m.long_alone:.2f}× |"
+        )
+    return "\n".join(lines) + "\n"

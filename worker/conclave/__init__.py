@@ -1,0 +1,1 @@
+"""The Conclave: one worker serving many jobs at once (see loop.py)."""

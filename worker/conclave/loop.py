@@ -1,0 +1,417 @@
+"""The Conclave: one model thread serving every active stream of a worker at once.
+
+Each turn of the loop (1) ends cancelled streams, (2) gives waiting streams a sequence when
+their cells fit, reusing the longest prefix memory or the disk cache holds, (3) prefills one
+canonical chunk of one stream, and (4) decodes one token for every decoding stream in a single
+llama_decode. So a long document is read one chunk at a time while the others keep decoding,
+and a short prompt's prefill goes before a long one's (shortest remaining first, within the
+priority class; a stream passed over STARVE_AFTER times goes next).
+
+Exactness: a prefill chunk is always decoded alone, in the shape a lone run uses. A decode row
+computed beside others gets slightly different logits (docs/BENCHMARKS.md); with `exact`, a
+greedy row whose top two logits nearly tie is decided again after recomputing that stream's
+batched cells one token at a time (worker/speculation/near_tie.py), so greedy output does not
+depend on what else runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import llama_cpp
+import numpy as np
+import numpy.typing as npt
+from llama_cpp import Llama
+
+from shared.errors import ContextOverflow
+from shared.prefix_cache import CacheHit, PrefixCache
+from worker import kv_state
+from worker.conclave.memory import Memory, Resident
+from worker.conclave.streams import (
+    Ended,
+    EndReason,
+    Event,
+    Failed,
+    Started,
+    StreamHandle,
+    StreamRequest,
+    Token,
+)
+from worker.decode_batch import fill_batch
+from worker.multi_sequence import sample
+from worker.prefix_saver import PrefixSaver
+from worker.speculation.near_tie import TIE_MARGIN, is_near_tie
+
+log = logging.getLogger(__name__)
+
+Logits = npt.NDArray[np.float32]
+CacheFor = Callable[[str | None], PrefixCache | None]
+# A stream passed over this many times for a shorter one prefills next, however long it is.
+STARVE_AFTER = 4
+
+
+class _State(Enum):
+    WAITING = "waiting"  # no sequence yet
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    HOLDING = "holding"  # prefilled, kept for the job's other streams to fork
+
+
+@dataclass(eq=False)
+class _Stream:
+    handle: StreamHandle
+    arrival: int
+    state: _State = _State.WAITING
+    resident: Resident | None = None
+    pos: int = 0  # next position to compute
+    snapshots: set[int] = field(default_factory=set)
+    next_token: int = 0
+    generated: int = 0
+    exact_until: int = 0  # cells below this were computed as a lone run computes them
+    replays: int = 0
+    passed_over: int = 0
+    rng: np.random.Generator | None = None
+
+    @property
+    def request(self) -> StreamRequest:
+        return self.handle.request
+
+    @property
+    def seq(self) -> int:
+        assert self.resident is not None
+        return self.resident.seq
+
+    def prefill_key(self) -> tuple[int, int, int]:
+        remaining = self.request.prefill_end - self.pos
+        return (self.request.priority, remaining, self.arrival)
+
+
+class Conclave:
+    def __init__(
+        self,
+        llama: Llama,
+        cache_for: CacheFor,
+        saver: PrefixSaver | None,
+        *,
+        block_tokens: int,
+        min_snapshot_tokens: int,
+        n_seq: int,
+        truncatable: bool,
+        exact: bool = True,
+    ) -> None:
+        self.llama = llama
+        self._cache_for = cache_for
+        self._saver = saver
+        self._block_tokens = block_tokens
+        self._min_snapshot_tokens = min_snapshot_tokens
+        self._truncatable = truncatable
+        self._exact = exact
+        mem = llama_cpp.llama_get_memory(llama.ctx)
+        self._mem = mem
+        llama_cpp.llama_memory_clear(mem, True)
+        self.n_seq = n_seq
+        self.cells_per_seq = llama_cpp.llama_n_ctx_seq(llama.ctx)
+        self._memory = Memory(mem, n_seq, block_tokens, truncatable)
+        vocab = llama_cpp.llama_model_get_vocab(llama.model)
+        self._vocab = vocab
+        self._n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        self._capacity = max(llama.n_batch, n_seq)
+        self._batch = llama_cpp.llama_batch_init(self._capacity, 0, 1)
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._incoming: list[_Stream] = []
+        self._streams: list[_Stream] = []
+        self._arrivals = itertools.count()
+        # Streams not yet ended, each owning (or waiting for) a sequence: what admission of
+        # new jobs looks at.
+        self._committed = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="conclave", daemon=True)
+        self._thread.start()
+
+    # --- the job threads' side -------------------------------------------------------------
+
+    def submit(self, handle: StreamHandle) -> StreamHandle:
+        """Queue a stream; its events arrive on the handle."""
+        request = handle.request
+        if request.cells > self.cells_per_seq:
+            raise ContextOverflow(
+                f"the request needs {request.cells} KV cells; a sequence has {self.cells_per_seq}"
+            )
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the worker is stopping")
+            self._incoming.append(_Stream(handle, next(self._arrivals)))
+            self._committed += 1
+        self._wake.set()
+        return handle
+
+    def handle(
+        self,
+        request: StreamRequest,
+        on_token: Callable[[Token], bool] = lambda _token: False,
+        events: queue.SimpleQueue[tuple[StreamHandle, Event]] | None = None,
+        tag: int = 0,
+    ) -> StreamHandle:
+        """A handle for `request`; `events` may be shared with the job's other streams."""
+        return StreamHandle(request, self._wake, on_token, events, tag)
+
+    def free_sequences(self) -> int:
+        """Sequences no running or waiting stream has claimed (idle ones count as free)."""
+        return self.n_seq - self._committed
+
+    def close(self) -> None:
+        with self._lock:
+            self._stopping = True
+        self._wake.set()
+        self._thread.join()
+        llama_cpp.llama_batch_free(self._batch)
+
+    # --- the model thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                stopping = self._stopping
+                self._streams.extend(self._incoming)
+                self._incoming.clear()
+            if stopping:
+                self._fail_all(RuntimeError("the worker stopped"))
+                return
+            self._sweep()
+            self._start_waiting()
+            worked = self._prefill_one()
+            worked = self._step() or worked
+            if not worked:
+                self._wake.wait()
+                self._wake.clear()
+
+    def _sweep(self) -> None:
+        for stream in list(self._streams):
+            handle = stream.handle
+            if stream.state is _State.HOLDING and handle.closed.is_set():
+                self._end(stream, None)
+            elif stream.state is not _State.HOLDING and handle.cancelled.is_set():
+                self._end(stream, "cancelled")
+
+    def _start_waiting(self) -> None:
+        waiting = sorted(
+            (s for s in self._streams if s.state is _State.WAITING),
+            key=lambda s: (s.request.priority, s.arrival),
+        )
+        for stream in waiting:
+            if not self._memory.has_room():
+                return
+            try:
+                self._start(stream)
+            except Exception as exc:
+                self._fail(stream, exc)
+
+    def _start(self, stream: _Stream) -> None:
+        request = stream.request
+        limit = request.prefill_end
+        reuse = self._memory.best_reuse(request.namespace, request.tokens, limit, request.breaks)
+        kept = reuse.tokens if reuse is not None else 0
+        cache = self._cache_for(request.namespace)
+        started = time.perf_counter()
+        hit = None
+        if cache is not None and kept < limit:
+            hit = cache.lookup(request.tokens, min_tokens=kept + 1, breaks=request.breaks)
+            if hit is not None and hit.n_tokens > kept:
+                reuse = None  # the disk holds more: a copy of memory would be overwritten
+            else:
+                hit = None
+        resident = self._memory.claim(request.namespace, reuse)
+        stream.resident = resident
+        restore_ms = None
+        if hit is not None:
+            kept = self._restore(stream, hit)
+            restore_ms = (time.perf_counter() - started) * 1000
+        stream.pos = kept
+        resident.tokens = request.tokens[:kept]
+        resident.prefilled = kept
+        resident.breaks = tuple(b for b in request.breaks if b <= kept)
+        if cache is not None and self._saver is not None:
+            stream.snapshots = self._snapshot_points(request, kept)
+        stream.handle.put(Started(kept, restore_ms, time.perf_counter()))
+        stream.state = _State.PREFILLING
+        self._prefilled_to(stream)
+
+    def _restore(self, stream: _Stream, hit: CacheHit) -> int:
+        if kv_state.restore_into(self.llama, stream.seq, hit.state, hit.n_tokens):
+            return hit.n_tokens
+        log.warning("cached state %s did not load into sequence %d", hit.key, stream.seq)
+        return 0
+
+    def _snapshot_points(self, request: StreamRequest, start: int) -> set[int]:
+        """As the one-job engine: the declared prefix end (or the last-but-one token), plus,
+        for memories that cannot be cut back, the block boundary before it."""
+        end = request.prefill_end
+        first = min((b for b in request.breaks if b <= end), default=end)
+        points = {first}
+        if not self._truncatable:
+            points.add(first - first % self._block_tokens)
+        return {p for p in points if start < p <= end and p >= self._min_snapshot_tokens}
+
+    def _prefill_one(self) -> bool:
+        """Decode one canonical chunk of the stream whose turn it is."""
+        prefilling = [s for s in self._streams if s.state is _State.PREFILLING]
+        if not prefilling:
+            return False
+        starved = [s for s in prefilling if s.passed_over >= STARVE_AFTER]
+        chosen = min(starved or prefilling, key=_Stream.prefill_key)
+        for stream in prefilling:
+            stream.passed_over = 0 if stream is chosen else stream.passed_over + 1
+        try:
+            self._prefill_chunk(chosen)
+        except Exception as exc:
+            self._fail(chosen, exc)
+        return True
+
+    def _prefill_chunk(self, stream: _Stream) -> None:
+        request, position = stream.request, stream.pos
+        limit = request.prefill_end
+        block = self._block_tokens
+        chunk_end = min(
+            position - position % block + block,
+            limit,
+            *(b for b in request.breaks if b > position),
+        )
+        # Split at n_batch as Llama.eval does, so every cell matches a lone run's.
+        for start in range(position, chunk_end, self.llama.n_batch):
+            stop = min(start + self.llama.n_batch, chunk_end)
+            rows = [(request.tokens[p], p, stream.seq) for p in range(start, stop)]
+            self._decode(rows, logits=False)
+        assert stream.resident is not None
+        stream.resident.tokens.extend(request.tokens[position:chunk_end])
+        stream.resident.prefilled = stream.pos = chunk_end
+        stream.resident.breaks = tuple(b for b in request.breaks if b <= chunk_end)
+        if chunk_end in stream.snapshots:
+            cache = self._cache_for(request.namespace)
+            if cache is not None and self._saver is not None:
+                state = kv_state.capture(self.llama, stream.seq)
+                self._saver.submit(cache, request.tokens[:chunk_end], state)
+        self._prefilled_to(stream)
+
+    def _prefilled_to(self, stream: _Stream) -> None:
+        """Move a stream on once its prefill is done."""
+        request = stream.request
+        if stream.pos < request.prefill_end:
+            return
+        if request.max_new == 0:
+            stream.handle.put(Ended("prefilled", stream.pos))
+            if request.hold:
+                stream.state = _State.HOLDING
+            else:
+                self._end(stream, None)
+            return
+        stream.state = _State.DECODING
+        stream.next_token = request.tokens[stream.pos]
+        stream.exact_until = stream.pos
+        stream.rng = np.random.default_rng(request.sampling.seed)
+
+    def _step(self) -> bool:
+        """One token for every decoding stream, in one llama_decode."""
+        decoding = [s for s in self._streams if s.state is _State.DECODING]
+        if not decoding:
+            return False
+        try:
+            self._decode([(s.next_token, s.pos, s.seq) for s in decoding], logits=True)
+        except Exception as exc:
+            for stream in decoding:
+                self._fail(stream, exc)
+            return True
+        alone = len(decoding) == 1
+        ties = []
+        for row, stream in enumerate(decoding):
+            logits = self._logits(row)
+            batched = not alone or stream.exact_until < stream.pos
+            greedy = stream.request.sampling.greedy
+            if self._exact and batched and greedy and is_near_tie(logits, TIE_MARGIN):
+                ties.append(stream)
+                continue
+            if alone and stream.exact_until == stream.pos:
+                stream.exact_until += 1
+            self._take(stream, logits)
+        for stream in ties:  # after the others: a replay overwrites the batch's logits
+            try:
+                self._replay_alone(stream)
+            except Exception as exc:
+                self._fail(stream, exc)
+                continue
+            self._take(stream, self._logits(0))
+        return True
+
+    def _replay_alone(self, stream: _Stream) -> None:
+        """Recompute one token at a time every cell of `stream` a batched step wrote; then row
+        0's logits are a lone run's (worker/multi_sequence.py does the same for questions)."""
+        assert stream.resident is not None
+        tokens = stream.resident.tokens
+        begin = stream.exact_until
+        llama_cpp.llama_memory_seq_rm(self._mem, stream.seq, begin, -1)
+        for pos in range(begin, stream.pos + 1):
+            token = tokens[pos] if pos < len(tokens) else stream.next_token
+            self._decode([(token, pos, stream.seq)], logits=pos == stream.pos)
+        stream.exact_until = stream.pos + 1
+        stream.replays += 1
+
+    def _take(self, stream: _Stream, logits: Logits) -> None:
+        """The cell for `next_token` is written: sample what follows it."""
+        assert stream.resident is not None and stream.rng is not None
+        stream.resident.tokens.append(stream.next_token)
+        stream.pos += 1
+        sampling = stream.request.sampling
+        token = sample(logits, sampling.temperature, sampling.top_p, stream.rng)
+        if llama_cpp.llama_vocab_is_eog(self._vocab, token):
+            self._end(stream, "stop")
+            return
+        stream.generated += 1
+        stream.next_token = token
+        stream.handle.token(Token(token, time.perf_counter()))
+        if stream.generated >= stream.request.max_new:
+            self._end(stream, "length")
+
+    def _end(self, stream: _Stream, reason: EndReason | None) -> None:
+        """Finish a stream; its sequence stays resident for reuse. `None`: already said."""
+        if reason is not None:
+            stream.handle.put(Ended(reason, stream.pos, stream.replays))
+        if stream.resident is not None:
+            self._memory.release(stream.resident)
+        self._forget_stream(stream)
+
+    def _fail(self, stream: _Stream, exc: Exception) -> None:
+        log.exception("stream failed", exc_info=exc)
+        stream.handle.put(Failed(exc))
+        if stream.resident is not None:
+            self._memory.forget(stream.resident)  # its cells may be half-written
+        self._forget_stream(stream)
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._lock:
+            self._streams.extend(self._incoming)
+            self._incoming.clear()
+        for stream in list(self._streams):
+            stream.handle.put(Failed(exc))
+            self._forget_stream(stream)
+
+    def _forget_stream(self, stream: _Stream) -> None:
+        self._streams.remove(stream)
+        with self._lock:
+            self._committed -= 1
+
+    def _decode(self, rows: list[tuple[int, int, int]], logits: bool) -> None:
+        fill_batch(self._batch, rows, logits)
+        status = llama_cpp.llama_decode(self.llama.ctx, self._batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status}")
+
+    def _logits(self, row: int) -> Logits:
+        pointer = llama_cpp.llama_get_logits_ith(self.llama.ctx, row)
+        return np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))

@@ -1,0 +1,139 @@
+"""Which sequence of the context holds what.
+
+Every sequence has a KV buffer of its own (`kv_unified` off), of n_ctx cells: a request that
+fits n_ctx always fits its sequence, and attention reads only the sequence's own cells, in the
+order a lone run lays them out. In one buffer shared by all sequences a row's attention sums
+over other sequences' (masked) cells too, in an order that depends on who else is resident:
+measured on SmolLM2, 7 of 8 greedy chats run together then differed from their lone runs,
+against 8 of 8 equal with a buffer per sequence (docs/BENCHMARKS.md).
+
+When a stream ends, its sequence stays *resident*: its cells are kept for the next prompt that
+starts the same way, until the sequence is needed (least recently used first). Only cells
+computed by canonical prefill (or restored) are reused, under the same rule as the disk cache
+(`restorable_tokens`), so output never depends on what memory held before. A prompt sharing a
+busy sequence's prefix gets a copy of its buffer (a memory copy, no model work), cut back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import llama_cpp
+
+from shared.prefix_cache import common_prefix_len, restorable_tokens
+
+
+@dataclass
+class Resident:
+    """A sequence's cells: positions [0, len(tokens)) hold `tokens`."""
+
+    seq: int
+    namespace: str | None
+    tokens: list[int] = field(default_factory=list)
+    # Cells [0, prefilled) were computed in canonical chunks ending at `breaks` (or restored).
+    prefilled: int = 0
+    breaks: tuple[int, ...] = ()
+    idle: bool = False
+    used_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    source: Resident
+    tokens: int  # cells of `source` the new prompt may keep
+
+
+class Memory:
+    def __init__(
+        self, mem: llama_cpp.llama_memory_t, n_seq: int, block_tokens: int, truncatable: bool
+    ) -> None:
+        self._mem = mem
+        self._block_tokens = block_tokens
+        self._truncatable = truncatable
+        self._free = list(range(n_seq - 1, -1, -1))
+        self._residents: dict[int, Resident] = {}
+
+    def residents(self) -> Iterator[Resident]:
+        return iter(self._residents.values())
+
+    def has_room(self) -> bool:
+        """Whether a stream can start now: a sequence is free or idle."""
+        return bool(self._free) or any(r.idle for r in self._residents.values())
+
+    def best_reuse(
+        self, namespace: str | None, tokens: list[int], limit: int, breaks: tuple[int, ...]
+    ) -> Reuse | None:
+        """The resident prefix a prompt may keep most of (see `restorable_tokens`)."""
+        best: Reuse | None = None
+        for resident in self._residents.values():
+            if resident.namespace != namespace or resident.prefilled == 0:
+                continue
+            held = resident.tokens[: resident.prefilled]
+            common = common_prefix_len(held, tokens)
+            kept = restorable_tokens(
+                common,
+                resident.prefilled,
+                limit,
+                self._block_tokens,
+                self._truncatable,
+                breaks,
+                resident.breaks,
+            )
+            # Memory that cannot drop a tail is reused only when nothing follows the prefix.
+            if not self._truncatable and len(resident.tokens) > kept:
+                kept = 0
+            if kept > 0 and (best is None or kept > best.tokens):
+                best = Reuse(resident, kept)
+        return best
+
+    def claim(self, namespace: str | None, reuse: Reuse | None) -> Resident:
+        """A sequence for a new stream: the reused one if idle, a copy of it, or an empty one.
+
+        The caller checked `has_room()`. The copy of a busy sequence is made by llama.cpp
+        before the next decode; nothing may load a state into the new sequence before then.
+        """
+        if reuse is not None and reuse.source.idle:
+            resident = reuse.source
+        else:
+            resident = Resident(self._take_seq(), namespace)
+            self._residents[resident.seq] = resident
+            if reuse is not None:  # a buffer per sequence: only whole copies are possible
+                llama_cpp.llama_memory_seq_cp(self._mem, reuse.source.seq, resident.seq, -1, -1)
+                resident.tokens = list(reuse.source.tokens)
+                resident.prefilled = reuse.source.prefilled
+                resident.breaks = reuse.source.breaks
+        self._cut(resident, reuse.tokens if reuse is not None else 0)
+        resident.namespace = namespace
+        resident.idle = False
+        resident.used_at = time.monotonic()
+        return resident
+
+    def forget(self, resident: Resident) -> None:
+        """Drop a sequence's cells (a failed stream's memory may be half-written)."""
+        llama_cpp.llama_memory_seq_rm(self._mem, resident.seq, -1, -1)
+        del self._residents[resident.seq]
+        self._free.append(resident.seq)
+
+    def release(self, resident: Resident) -> None:
+        """The stream is done: its cells stay for reuse until the sequence is needed."""
+        resident.idle = True
+        resident.used_at = time.monotonic()
+
+    def _cut(self, resident: Resident, keep: int) -> None:
+        if keep == 0:
+            llama_cpp.llama_memory_seq_rm(self._mem, resident.seq, -1, -1)
+        elif len(resident.tokens) > keep:
+            llama_cpp.llama_memory_seq_rm(self._mem, resident.seq, keep, -1)
+        resident.tokens = resident.tokens[:keep]
+        resident.prefilled = min(resident.prefilled, keep)
+        resident.breaks = tuple(b for b in resident.breaks if b <= keep)
+
+    def _take_seq(self) -> int:
+        if not self._free:
+            self.forget(self._oldest_idle())
+        return self._free.pop()
+
+    def _oldest_idle(self) -> Resident:
+        return min((r for r in self._residents.values() if r.idle), key=lambda r: r.used_at)

@@ -1,0 +1,137 @@
+"""An extraction job over the Conclave: the document's prefix held once, questions forked.
+
+The prefix (instructions + document) is a prefill-only stream that stays held while the job's
+questions run; each question is a stream whose prompt starts with that prefix, so the Conclave
+forks the held cells instead of computing them again, and the questions decode in the same
+steps as every other job's tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+from shared.llm import document_prompts
+from shared.schemas import ExtractOrder
+from worker import multi_sequence
+from worker.conclave.engine import ConclaveEngine, expect, wait_started
+from worker.conclave.streams import (
+    Ended,
+    Event,
+    Sampling,
+    StreamHandle,
+    StreamRequest,
+    Token,
+)
+from worker.engine import chunk_breaks
+from worker.extraction import Answering, Extracted, extraction_outcome
+from worker.multi_sequence import DoesNotFit
+from worker.resume import NOTHING, Streamed
+from worker.token_publisher import TokenPublisher
+
+
+@dataclass
+class _Question:
+    index: int  # in the order's questions
+    tokens: list[int] = field(default_factory=list)
+    first_at: float | None = None
+    last_at: float | None = None
+
+
+def extract(
+    engine: ConclaveEngine,
+    order: ExtractOrder,
+    publisher: TokenPublisher,
+    streamed: Streamed = NOTHING,
+    priority: int = 0,
+) -> Extracted:
+    started = time.perf_counter()
+    llama = engine.llama
+    prefix, tails = document_prompts(llama, order.document, [q.question for q in order.questions])
+    for index, tail in enumerate(tails):
+        overflow = len(prefix) + len(tail) + order.max_tokens - engine.n_ctx
+        if overflow > 0:
+            raise DoesNotFit(index, overflow)
+    head = [*prefix, *tails[0]]
+    hold = StreamRequest(
+        head,
+        chunk_breaks(len(prefix), limit=len(head) - 1),
+        order.cache_namespace,
+        priority,
+        max_new=0,
+        end=len(prefix),
+        hold=True,
+    )
+    with engine.conclave.submit(engine.conclave.handle(hold)) as held:
+        cached = min(wait_started(held).cached_tokens, len(prefix))
+        expect(held.next())  # the prefix is in memory
+        prefilled = time.perf_counter()
+        prompt_tokens = [len(prefix) + len(t) for t in tails]
+        offset_ms = (prefilled - started) * 1000
+        answering = Answering(llama, order, publisher, prompt_tokens, cached, offset_ms, streamed)
+        open_ = answering.open_questions()
+        if open_:
+            _answer(engine, order, answering, prefix, tails, open_, priority)
+    return extraction_outcome(order, answering, prefix, tails, cached, started, prefilled, streamed)
+
+
+def _answer(
+    engine: ConclaveEngine,
+    order: ExtractOrder,
+    answering: Answering,
+    prefix: list[int],
+    tails: list[list[int]],
+    open_: list[int],
+    priority: int,
+) -> None:
+    """Submit every open question as a stream of its own, all sharing one event queue."""
+    events: queue.SimpleQueue[tuple[StreamHandle, Event]] = queue.SimpleQueue()
+    started = time.perf_counter()
+    questions = [_Question(i) for i in open_]
+    with contextlib.ExitStack() as stack:
+        handles = []
+        for j, i in enumerate(open_):
+            resumed = answering.streamed.of(order.questions[i].id)
+            tokens = [*prefix, *tails[i], *resumed]
+            # As a generation job resumes: its streamed tokens start a chunk after the prompt.
+            resumed_from = len(prefix) + len(tails[i]) - 1 if resumed else None
+            request = StreamRequest(
+                tokens,
+                chunk_breaks(len(prefix), resumed_from, limit=len(tokens) - 1),
+                order.cache_namespace,
+                priority,
+                max_new=answering.budget(i),
+                sampling=Sampling(order.temperature, order.top_p, (order.seed + i) % 2**32),
+                shared_prefix=len(prefix),
+            )
+            on_token = partial(_on_token, answering, questions[j])
+            handle = engine.conclave.handle(request, on_token, events, tag=j)
+            handles.append(stack.enter_context(engine.conclave.submit(handle)))
+        live = len(handles)
+        while live:
+            handle, event = handles[0].next_tagged()
+            live -= _on_event(answering, questions[handle.tag], expect(event), started)
+
+
+def _on_token(answering: Answering, question: _Question, event: Token) -> bool:
+    """Model thread: a question's token goes out at once; True stops the question."""
+    question.tokens.append(event.token)
+    question.first_at = question.first_at or event.at
+    question.last_at = event.at
+    return answering.on_token(question.index, event.token)
+
+
+def _on_event(answering: Answering, question: _Question, event: Event | None, t0: float) -> int:
+    """Job thread: pass a question's end on; returns 1 when the question ended."""
+    if not isinstance(event, Ended):
+        return 0
+    finish: multi_sequence.Finish = "length" if event.reason == "length" else "stop"
+    ttft = None if question.first_at is None else (question.first_at - t0) * 1000
+    rate = None
+    if question.first_at and question.last_at and question.last_at > question.first_at:
+        rate = (len(question.tokens) - 1) / (question.last_at - question.first_at)
+    answering.on_answer(question.index, multi_sequence.Answer(question.tokens, finish, ttft, rate))
+    return 1
