@@ -47,9 +47,14 @@ class GranaryCollector(Collector):
 
     def _queues(self, redis: Redis) -> Iterator[Metric]:
         depth = GaugeMetricFamily("granary_queue_depth", "Jobs waiting", labels=["queue"])
+        # A worker runs several jobs at once: what all workers are running now, per queue.
+        active = GaugeMetricFamily("granary_active_jobs", "Jobs running", labels=["queue"])
         for name in QUEUES:
-            depth.add_metric([name], queue(redis, name).count)
+            jobs = queue(redis, name)
+            depth.add_metric([name], jobs.count)
+            active.add_metric([name], jobs.started_job_registry.count)
         yield depth
+        yield active
         yield GaugeMetricFamily(
             "granary_workers", "Live workers", value=Worker.count(connection=redis)
         )

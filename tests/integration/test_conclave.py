@@ -16,6 +16,7 @@ from tests.integration.test_job_path import (
     submit,
     wait_status,
 )
+from tests.integration.test_metrics import scrape
 
 CHATS = [
     "Name three rivers in Europe.",
@@ -63,6 +64,7 @@ def test_cancelling_one_job_leaves_the_others_whole(stack: Stack) -> None:
     jobs = [submit(stack, {**COUNTING, "max_tokens": 120}) for _ in range(4)]
     for job in jobs:
         first_tokens(stack, job["id"], 3)
+    assert scrape(stack)["granary_active_jobs{queue=interactive}"] == 4
     httpx.delete(f"{stack.url}/v1/jobs/{jobs[1]['id']}")
     views = finish_all(stack, [j for i, j in enumerate(jobs) if i != 1])
     cancelled = wait_status(stack, jobs[1]["id"], {"cancelled"})
