@@ -118,8 +118,24 @@ def test_repeated_page_headers_and_broken_words_are_repaired() -> None:
     text = normalize(read("contract.txt"), "text").text
     assert text.count("NORDWIND LOGISTICS - SERVICE AGREEMENT") == 1
     assert "goods of the Customer from its warehouse" in text
-    # Page numbers hold numbers: the first stays, the second repeats nothing new.
-    assert "Page 1 of 2" in text and "Page 2 of 2" not in text
+    # A running header stays once; page numbers number the layout and all go.
+    assert "Page 1 of 2" not in text and "Page 2 of 2" not in text
+
+
+def test_page_numbers_go_even_when_their_numbers_are_nowhere_else() -> None:
+    # 7 and 9 appear only in "Page 7 of 9"-style lines: no fact of the document, so the guard
+    # does not put them back and the self-check does not ask for them.
+    pages = [
+        f"ACME TERMS\n\nSection {name}: delivery within 30 days.\n\nSeite {n} von 9"
+        for n, name in ((7, "A"), (8, "B"), (9, "C"))
+    ]
+    for fmt in ("text", "facts"):
+        result = normalize("\f".join(pages), fmt)  # type: ignore[arg-type]
+        assert (result.used, result.missing) == (fmt, ())
+        assert "Seite" not in result.text and result.kept["dropped_page_number"] == 3
+    assert normalize("\f".join(pages), "text").text.count("ACME TERMS") == 1
+    # Without running headers (one page) a lone page number is a line like any other.
+    assert "Seite 7 von 9" in normalize(pages[0], "text").text
 
 
 @pytest.mark.parametrize(
