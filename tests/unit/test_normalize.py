@@ -138,6 +138,24 @@ def test_page_numbers_go_even_when_their_numbers_are_nowhere_else() -> None:
     assert "Seite 7 von 9" in normalize(pages[0], "text").text
 
 
+def test_links_keep_a_target_their_text_does_not_show() -> None:
+    html = (
+        '<nav><a href="https://shop.example/home">Home</a></nav>'
+        '<p>Read the <a href="https://shop.example/terms-2025">terms</a> or '
+        '<a href="https://www.shop.example/">shop.example</a>, '
+        '<a href="/local">a relative link</a>.</p>'
+        '<div class="share"><a href="https://social.example/share?u=1">Share</a></div>'
+        '<footer><a href="https://social.example/acme">Follow us</a></footer>'
+    )
+    for fmt in ("text", "facts"):
+        result = normalize(html, fmt)  # type: ignore[arg-type]
+        assert "terms (https://shop.example/terms-2025)" in result.text
+        assert "Follow us (https://social.example/acme)" in result.text
+        # Shown already, relative, or in furniture (a menu, a share bar): no target added.
+        assert "shop.example (" not in result.text and "/local" not in result.text
+        assert "shop.example/home" not in result.text and "share?u=1" not in result.text
+
+
 @pytest.mark.parametrize(
     ("text", "declared", "field"),
     [
