@@ -156,6 +156,15 @@ def test_links_keep_a_target_their_text_does_not_show() -> None:
         assert "shop.example/home" not in result.text and "share?u=1" not in result.text
 
 
+def test_exclusion_words_are_negations() -> None:
+    # German "ausgeschlossen" (excluded) negates as "nicht" does: the sentence is a fact.
+    html = (
+        "<h2>Rückgabe</h2><p>Wir beraten Sie gern. Maßanfertigungen sind von der Rückgabe "
+        "ausgeschlossen.</p>"
+    )
+    assert "Maßanfertigungen sind von der Rückgabe ausgeschlossen." in normalize(html, "facts").text
+
+
 @pytest.mark.parametrize(
     ("text", "declared", "field"),
     [
