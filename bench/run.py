@@ -1,6 +1,6 @@
 """`make bench`: run every benchmark and write docs/BENCHMARKS.md.
 
-Usage: python -m bench.run [--quick] [--only SUITE] [--invariant-site DIR]
+Usage: python -m bench.run [--quick] [--only SUITE [--write]] [--redis URL] [--invariant-site DIR]
 """
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ import argparse
 import tempfile
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 from bench import (
     batch_rows,
     chunk_shape,
+    exam,
     extraction,
     job_path,
     machine,
@@ -80,6 +82,18 @@ def _extraction_section(redis_url: str, log_dir: Path) -> str:
     return extraction.section(settings, log_dir)
 
 
+def _exam_section(redis_url: str, log_dir: Path) -> str:
+    docs = exam.load()
+    runs: list[exam.Run] = []
+    for model in exam.MODELS:
+        # Cache off: every run prefills its document cold, so TTFT follows its tokens.
+        settings = _settings(redis_url, model, n_ctx=4096, n_threads=2, cache={"enabled": False})
+        runs += exam.measure(settings, log_dir, docs)
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    (DATA_DIR / "exam-answers.json").write_bytes(exam.answers_json(runs, docs))
+    return exam.section(runs, docs, settings)
+
+
 def _speculation_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     rounds = 1 if quick else 2
     runs = {}
@@ -135,18 +149,28 @@ def main() -> None:
             "speculation",
             "batch_rows",
             "chunk_shape",
+            "exam",
         ],
-        help="one suite, printed, not written",
+        help="one suite, printed, not written (unless --write)",
+    )
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="with --only: put the suite's sections into docs/BENCHMARKS.md in place of its "
+        "earlier ones, keeping the others",
     )
     parser.add_argument(
         "--invariant-site",
         type=Path,
         help="llama-cpp-python built batch-invariant (make wheel-invariant), for batch_rows",
     )
+    parser.add_argument("--redis", help="a Redis URL to use instead of a private redis-server")
     args = parser.parse_args()
     with (
         tempfile.TemporaryDirectory() as tmp,
-        private_redis(Path(tmp) / "redis", persistent=False) as redis_url,
+        nullcontext(args.redis)
+        if args.redis
+        else private_redis(Path(tmp) / "redis", persistent=False) as redis_url,
     ):
         log_dir = Path(tmp)
         suites: dict[str, Callable[[], list[str]]] = {
@@ -157,22 +181,48 @@ def main() -> None:
             "speculation": lambda: [_speculation_section(redis_url, log_dir, args.quick)],
             "batch_rows": lambda: [_batch_rows_section(redis_url, args.invariant_site)],
             "chunk_shape": lambda: [_chunk_shape_section(redis_url)],
+            "exam": lambda: [_exam_section(redis_url, log_dir)],
         }
         sections = []
         for name, suite in suites.items():
             if args.only in (None, name):
                 sections += _kept(name, suite)
-    if args.only:
+    if args.only and args.write:
+        text = _replaced(OUT.read_text(), sections)
+    elif args.only:
         print("\n".join(sections))
         return
-    text = (
-        "# Benchmarks\n\nWritten by `make bench` (`bench/run.py`); every figure below comes from "
-        "that run. Timings on shared 2-core machines are noisy: compare the ratios, which are "
-        "measured side by side in one run.\n\n" + machine.describe() + "\n" + "\n".join(sections)
-    )
+    else:
+        text = (
+            "# Benchmarks\n\nWritten by `make bench` (`bench/run.py`); every figure below comes "
+            "from that run. Timings on shared 2-core machines are noisy: compare the ratios, which "
+            "are measured side by side in one run.\n\n"
+            + machine.describe()
+            + "\n"
+            + "\n".join(sections)
+        )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(text)
     print(text)
+
+
+def _replaced(document: str, sections: list[str]) -> str:
+    """`document` with each `## ` section of the same title as one of `sections` replaced by
+    it (or the new one appended), each marked as measured on its own, with its machine."""
+    parts = document.split("\n## ")
+    head, old = parts[0], ["## " + part for part in parts[1:]]
+    for section in sections:
+        title, _, body = section.partition("\n")
+        marked = (
+            f"{title}\n\nMeasured on its own (`python -m bench.run --only ... --write`), "
+            f"not in the run the top of this file describes:\n\n{machine.describe()}{body}"
+        )
+        at = [i for i, part in enumerate(old) if part.split("\n", 1)[0] == title]
+        if at:
+            old[at[0]] = marked.rstrip("\n") + "\n"
+        else:
+            old.append(marked.rstrip("\n") + "\n")
+    return "\n".join([head.rstrip("\n") + "\n", *old])
 
 
 if __name__ == "__main__":
