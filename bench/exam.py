@@ -163,8 +163,12 @@ def _extract(stack: Stack, body: dict[str, Any]) -> tuple[float, dict[str, Any]]
 
 def run_model(stack: Stack, model: str, docs: list[ExamDocument]) -> list[Run]:
     """Every document in every format on one model's stack."""
-    # One unrecorded job first: first-request costs land there.
-    _extract(stack, {**_body(docs[0], "raw"), "questions": [{"id": "w", "question": "Hi?"}]})
+    # One unrecorded job first, on a document of its own (the worker keeps a prefix in memory:
+    # an exam document here would give its first run a head start): first-request costs.
+    warm_up = {"document": "Warm-up note: the office opens at 9:00.", "document_format": "text"}
+    _extract(
+        stack, {**_body(docs[0], "raw"), **warm_up, "questions": [{"id": "w", "question": "Hi?"}]}
+    )
     runs: list[Run] = []
     for doc in docs:
         for fmt in FORMATS:
