@@ -93,21 +93,20 @@ def load(directory: Path = DOCS_DIR) -> list[ExamDocument]:
     docs = []
     for spec_path in sorted(directory.glob("*.toml")):
         spec = tomllib.loads(spec_path.read_text(encoding="utf-8"))
-        questions = tuple(
-            Question(
-                **{
-                    k: tuple(v) if isinstance(v, list) else v
-                    for k, v in q.items()
-                    if k in Question.__dataclass_fields__
-                }
-            )
-            for q in spec["questions"]
-        )
+        questions = tuple(_question(spec_path.name, q) for q in spec["questions"])
         text = (directory / spec["document"]).read_text(encoding="utf-8")
         docs.append(
             ExamDocument(spec["document"], text, spec["language"], spec["domain"], questions)
         )
     return docs
+
+
+def _question(source: str, fields: dict[str, Any]) -> Question:
+    unknown = set(fields) - set(Question.__dataclass_fields__)
+    if unknown:  # a misspelt key would silently grade nothing
+        raise ValueError(f"{source}: unknown question fields {sorted(unknown)}")
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    return Question(**values)
 
 
 @dataclass(slots=True)
