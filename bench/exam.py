@@ -15,6 +15,7 @@ invented answer. The prefix cache is off: every run prefills its document cold.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import tomllib
@@ -119,6 +120,9 @@ class Run:
     tokens_before: int | None
     ttft_ms: float
     prefill_ms: float
+    # The 1-minute load average after the job: the worker alone keeps it near its threads;
+    # more means another process shared the cores and the TTFT is longer than alone.
+    load: float
     grades: dict[str, Grade]
     answers: dict[str, str]
     critical: set[str] = field(default_factory=set)
@@ -184,6 +188,7 @@ def run_model(stack: Stack, model: str, docs: list[ExamDocument]) -> list[Run]:
                     tokens_before=report.get("tokens_before"),
                     ttft_ms=ttft,
                     prefill_ms=view["timings"].get("prefill_ms") or 0.0,
+                    load=os.getloadavg()[0],
                     grades={q.id: q.grade(answers[q.id]) for q in doc.questions},
                     answers=answers,
                     critical={q.id for q in doc.questions if q.critical},
@@ -254,6 +259,9 @@ tokens summed (the job's `document` report). TTFT: POST to the first token at th
 over the documents (normalising in the API, queueing, prefill of the document and all
 questions). Score: stated questions answered right, plus unanswerable ones answered "not stated".
 Not stated / hallucinated: on the {unanswerable} unanswerable questions. Bad results are kept.
+The 1-minute load average after each job was {min(r.load for r in runs):.1f}–{max(r.load for r in runs):.1f}
+(the worker alone keeps it near {settings.threads}; more means other processes shared the cores,
+which lengthens TTFT but does not change greedy answers).
 
 | model | format | document tokens | × fewer than raw | TTFT ms (sum) | score | critical right | not stated / hallucinated |
 |---|---|---|---|---|---|---|---|

@@ -90,6 +90,7 @@ def test_the_section_keeps_every_result() -> None:
                         tokens_before=1000,
                         ttft_ms=2000.0 - 500 * n,
                         prefill_ms=0.0,
+                        load=2.0,
                         grades={q.id: q.grade(answers[q.id]) for q in doc.questions},
                         answers=answers,
                         critical={q.id for q in doc.questions if q.critical},
