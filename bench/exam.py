@@ -20,7 +20,7 @@ import re
 import time
 import tomllib
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,6 +50,18 @@ NOT_STATED = re.compile(
 )
 
 Grade = Literal["right", "wrong", "not_stated", "hallucinated"]
+_DIGIT = re.compile(r"\d")
+_NUMBER = re.compile(r"\d+(?:[.,:]\d+)*")
+
+
+def _matches(pattern: str, answer: str) -> list[tuple[int, int]]:
+    """Spans where `pattern` matches a whole value: "2" is not found in "2.2%" or "204.2"."""
+    return [
+        m.span()
+        for m in re.finditer(pattern, answer, re.IGNORECASE)
+        if not re.search(r"\d[.,]$", answer[: m.start()])
+        and not re.match(r"[.,]\d", answer[m.end() :])
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +87,21 @@ class Question:
             return "not_stated" if says_not_stated else "hallucinated"
         if says_not_stated:
             return "wrong"
-        found = any(re.search(p, answer, re.IGNORECASE) for p in self.accept)
-        refused = any(re.search(p, answer, re.IGNORECASE) for p in self.reject)
-        return "right" if found and not refused else "wrong"
+        if any(_matches(p, answer) for p in self.reject):
+            return "wrong"
+        found = {p: _matches(p, answer) for p in self.accept}
+        if any(spans and not _DIGIT.search(p) for p, spans in found.items()):
+            return "right"  # a worded answer ("no", "free", "standard") matched
+        spans = [span for p in found.values() for span in p]
+        if not spans:
+            return "wrong"
+        # A value answer is its first value not copied from the question: "25.1 MWh, down
+        # from 26.8" answers 25.1; "The invoice number is 41857263" does not answer "2".
+        asked = set(_NUMBER.findall(self.question))
+        first = next((m for m in _NUMBER.finditer(answer) if m.group() not in asked), None)
+        if first is None or any(a <= first.start() < b for a, b in spans):
+            return "right"
+        return "wrong"
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +146,7 @@ class Run:
     prefill_ms: float
     # The 1-minute load average after the job: the worker alone keeps it near its threads;
     # more means another process shared the cores and the TTFT is longer than alone.
-    load: float
+    load: float | None
     grades: dict[str, Grade]
     answers: dict[str, str]
     critical: set[str] = field(default_factory=set)
@@ -259,9 +283,7 @@ tokens summed (the job's `document` report). TTFT: POST to the first token at th
 over the documents (normalising in the API, queueing, prefill of the document and all
 questions). Score: stated questions answered right, plus unanswerable ones answered "not stated".
 Not stated / hallucinated: on the {unanswerable} unanswerable questions. Bad results are kept.
-The 1-minute load average after each job was {min(r.load for r in runs):.1f}–{max(r.load for r in runs):.1f}
-(the worker alone keeps it near {settings.threads}; more means other processes shared the cores,
-which lengthens TTFT but does not change greedy answers).
+{_load(runs, settings)}
 
 | model | format | document tokens | × fewer than raw | TTFT ms (sum) | score | critical right | not stated / hallucinated |
 |---|---|---|---|---|---|---|---|
@@ -277,6 +299,17 @@ Per document (score / critical right / tokens / TTFT ms):
 
 {per_doc}
 """
+
+
+def _load(runs: list[Run], settings: Settings) -> str:
+    loads = [r.load for r in runs if r.load is not None]
+    if not loads:
+        return "The load average was not recorded in this run."
+    return (
+        f"The 1-minute load average after each job was {min(loads):.1f}–{max(loads):.1f} (the "
+        f"worker alone keeps it near {settings.threads}; more means other processes shared the "
+        "cores, which lengthens TTFT but does not change greedy answers)."
+    )
 
 
 def _totals(runs: list[Run]) -> dict[str, Any]:
@@ -337,6 +370,25 @@ def _per_document(runs: list[Run], docs: list[ExamDocument]) -> str:
                 )
             lines.append(f"| {model} | {doc.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def runs_json(runs: list[Run]) -> bytes:
+    """Everything measured, so the section can be rendered again (`regraded`) without a model."""
+    return orjson.dumps(
+        [{**asdict(r), "critical": sorted(r.critical)} for r in runs], option=orjson.OPT_INDENT_2
+    )
+
+
+def regraded(path: Path, docs: list[ExamDocument]) -> list[Run]:
+    """The runs saved by `runs_json`, their answers graded again by the current questions."""
+    questions = {(d.name, q.id): q for d in docs for q in d.questions}
+    runs = []
+    for saved in orjson.loads(path.read_bytes()):
+        run = Run(**{**saved, "critical": set(saved["critical"])})
+        run.grades = {i: questions[(run.document, i)].grade(a) for i, a in run.answers.items()}
+        run.critical = {i for i in run.answers if questions[(run.document, i)].critical}
+        runs.append(run)
+    return runs
 
 
 def answers_json(runs: list[Run], docs: list[ExamDocument]) -> bytes:

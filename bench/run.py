@@ -82,8 +82,11 @@ def _extraction_section(redis_url: str, log_dir: Path) -> str:
     return extraction.section(settings, log_dir)
 
 
-def _exam_section(redis_url: str, log_dir: Path) -> str:
+def _exam_section(redis_url: str, log_dir: Path, saved: Path | None) -> str:
     docs = exam.load()
+    if saved is not None:  # answers of an earlier run, graded again: no model runs
+        settings = _settings(redis_url, exam.MODELS[0], n_ctx=4096, n_threads=2)
+        return exam.section(exam.regraded(saved, docs), docs, settings)
     runs: list[exam.Run] = []
     for model in exam.MODELS:
         # Cache off: every run prefills its document cold, so TTFT follows its tokens.
@@ -91,6 +94,7 @@ def _exam_section(redis_url: str, log_dir: Path) -> str:
         runs += exam.measure(settings, log_dir, docs)
     DATA_DIR.mkdir(parents=True, exist_ok=True)
     (DATA_DIR / "exam-answers.json").write_bytes(exam.answers_json(runs, docs))
+    (DATA_DIR / "exam-runs.json").write_bytes(exam.runs_json(runs))
     return exam.section(runs, docs, settings)
 
 
@@ -164,6 +168,11 @@ def main() -> None:
         type=Path,
         help="llama-cpp-python built batch-invariant (make wheel-invariant), for batch_rows",
     )
+    parser.add_argument(
+        "--exam-runs",
+        type=Path,
+        help="with --only exam: grade the answers saved in this exam-runs.json again, run no model",
+    )
     parser.add_argument("--redis", help="a Redis URL to use instead of a private redis-server")
     args = parser.parse_args()
     with (
@@ -181,7 +190,7 @@ def main() -> None:
             "speculation": lambda: [_speculation_section(redis_url, log_dir, args.quick)],
             "batch_rows": lambda: [_batch_rows_section(redis_url, args.invariant_site)],
             "chunk_shape": lambda: [_chunk_shape_section(redis_url)],
-            "exam": lambda: [_exam_section(redis_url, log_dir)],
+            "exam": lambda: [_exam_section(redis_url, log_dir, args.exam_runs)],
         }
         sections = []
         for name, suite in suites.items():

@@ -103,3 +103,16 @@ def test_the_section_keeps_every_result() -> None:
         assert f"**{total}/{total}**" in text
         assert f"- {model}, `facts` against `raw`" in text and "MISSES" in text
     assert text.count("| bici.html |") == len(MODELS)
+
+
+def test_a_value_answer_is_graded_by_its_first_value() -> None:
+    by_id = {q.id: q for d in DOCS for q in d.questions}
+    august, qty, early = by_id["eastfield-august"], by_id["tn2410-qty"], by_id["early-percent"]
+    assert august.grade("The Eastfield Farm generated 26.8 MWh in August.") == "right"
+    assert august.grade("It generated 25.1 MWh in August, down from 26.8 MWh.") == "wrong"
+    # Numbers copied from the question are not the answer's; numbers inside numbers are not it.
+    assert qty.grade("The TN-2410 cartridges invoiced: 2") == "right"
+    assert qty.grade("The invoice number is 41857263. The total GBP 204.2") == "wrong"
+    assert early.grade("The early payment discount is 2.2% of the invoice amount.") == "wrong"
+    # A worded answer that matches stays right whatever numbers it holds.
+    assert by_id["sofa-big-order"].grade("Free: the order is over 1,000 €.") == "right"
