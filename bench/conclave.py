@@ -123,9 +123,17 @@ class MixRow:
     short_p95: float
     long_ttft: float
     long_alone: float
+    peak_rss_mb: int  # the model process's, over both scenarios
 
 
-def measure(url: str, system: str, offset: int) -> tuple[list[LoadRow], MixRow]:
+def peak_rss_mb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+def measure(url: str, system: str, offset: int, pid: int) -> tuple[list[LoadRow], MixRow]:
     """Both scenarios against a running server; `offset` keeps prompts unseen by earlier runs."""
     rows = []
     asyncio.run(_at_once(url, [prompt(offset + 999)], 4))  # warm-up: load pages, JIT nothing
@@ -139,24 +147,24 @@ def measure(url: str, system: str, offset: int) -> tuple[list[LoadRow], MixRow]:
     shorts = [prompt(offset + 500 + i) for i in range(4)]
     long, others = asyncio.run(_long_and_short(url, document(offset + 2), shorts))
     p95 = sorted(r.ttft for r in others)[-1]  # the worst of four
-    return rows, MixRow(system, p95, long.ttft, alone.ttft)
+    return rows, MixRow(system, p95, long.ttft, alone.ttft, peak_rss_mb(pid))
 
 
 @contextmanager
-def granary(settings: Settings, log_dir: Path, exact: bool) -> Iterator[str]:
+def granary(settings: Settings, log_dir: Path, exact: bool) -> Iterator[tuple[str, int]]:
     worker = {"exact_batching": exact, "max_active_jobs": 8}
     run = settings.model_copy(update={"worker": settings.worker.model_copy(update=worker)})
     stack = Stack(run, log_dir)
     try:
         stack.start_api()
-        stack.start_worker()
-        yield stack.url
+        worker = stack.start_worker()
+        yield stack.url, worker.pid
     finally:
         stack.stop()
 
 
 @contextmanager
-def llama_server(server: Path, settings: Settings, log_dir: Path) -> Iterator[str]:
+def llama_server(server: Path, settings: Settings, log_dir: Path) -> Iterator[tuple[str, int]]:
     port = free_port()
     model = resolve_model(settings.model, settings.data_dir)
     command = [
@@ -169,7 +177,7 @@ def llama_server(server: Path, settings: Settings, log_dir: Path) -> Iterator[st
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_for(lambda: _get_ok(f"http://127.0.0.1:{port}/health"), "llama-server", 180)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", process.pid
     finally:
         process.terminate()
         process.wait(30)
@@ -181,13 +189,13 @@ def section(settings: Settings, log_dir: Path, server: Path | None) -> str:
     mixes: list[MixRow] = []
     runs = [("granary, exact (default)", True), ("granary, exact_batching off", False)]
     for offset, (name, exact) in enumerate(runs):
-        with granary(settings, log_dir, exact) as url:
-            rows, mix = measure(url, name, offset * 10_000)
+        with granary(settings, log_dir, exact) as (url, pid):
+            rows, mix = measure(url, name, offset * 10_000, pid)
         loads += rows
         mixes.append(mix)
     if server is not None and server.exists():
-        with llama_server(server, settings, log_dir) as url:
-            rows, mix = measure(url, "llama-server -np 8 -kvu", 90_000)
+        with llama_server(server, settings, log_dir) as (url, pid):
+            rows, mix = measure(url, "llama-server -np 8 -kvu", 90_000, pid)
         loads += rows
         mixes.append(mix)
     return _render(loads, mixes, peer=server is not None and server.exists())
@@ -220,12 +228,13 @@ def _render(loads: list[LoadRow], mixes: list[MixRow], peer: bool) -> str:
         f"({SHORT_TOKENS} tokens each). Targets: short chats' p95 TTFT ≤ 3 s, the long one's "
         "TTFT ≤ 1.25× alone.",
         "",
-        "| system | short chats p95 TTFT s | long TTFT s | long alone s | long / alone |",
-        "|---|---|---|---|---|",
+        "| system | short chats p95 TTFT s | long TTFT s | long alone s | long / alone | "
+        "peak RSS MB |",
+        "|---|---|---|---|---|---|",
     ]
     for m in mixes:
         lines.append(
             f"| {m.system} | {m.short_p95:.2f} | {m.long_ttft:.2f} | {m.long_alone:.2f} | "
-            f"{m.long_ttft / m.long_alone:.2f}× |"
+            f"{m.long_ttft / m.long_alone:.2f}× | {m.peak_rss_mb} |"
         )
     return "\n".join(lines) + "\n"

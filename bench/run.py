@@ -1,6 +1,6 @@
 """`make bench`: run every benchmark and write docs/BENCHMARKS.md.
 
-Usage: python -m bench.run [--quick] [--only SUITE] [--invariant-site DIR]
+Usage: python -m bench.run [--quick] [--only SUITE [--write]] [--redis URL] [--invariant-site DIR]
 """
 
 from __future__ import annotations
@@ -9,12 +9,14 @@ import argparse
 import tempfile
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 from bench import (
     batch_rows,
     chunk_shape,
     conclave,
+    exam,
     extraction,
     job_path,
     machine,
@@ -81,6 +83,22 @@ def _extraction_section(redis_url: str, log_dir: Path) -> str:
     return extraction.section(settings, log_dir)
 
 
+def _exam_section(redis_url: str, log_dir: Path, saved: Path | None) -> str:
+    docs = exam.load()
+    if saved is not None:  # answers of an earlier run, graded again: no model runs
+        settings = _settings(redis_url, exam.MODELS[0], n_ctx=4096, n_threads=2)
+        return exam.section(exam.regraded(saved, docs), docs, settings)
+    runs: list[exam.Run] = []
+    for model in exam.MODELS:
+        # Cache off: every run prefills its document cold, so TTFT follows its tokens.
+        settings = _settings(redis_url, model, n_ctx=4096, n_threads=2, cache={"enabled": False})
+        runs += exam.measure(settings, log_dir, docs)
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    (DATA_DIR / "exam-answers.json").write_bytes(exam.answers_json(runs, docs))
+    (DATA_DIR / "exam-runs.json").write_bytes(exam.runs_json(runs))
+    return exam.section(runs, docs, settings)
+
+
 def _speculation_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     rounds = 1 if quick else 2
     runs = {}
@@ -142,26 +160,36 @@ def main() -> None:
             "batch_rows",
             "chunk_shape",
             "conclave",
+            "exam",
         ],
-        help="one suite, printed, not written (unless --update)",
+        help="one suite, printed, not written (unless --write)",
     )
     parser.add_argument(
-        "--update",
+        "--write",
         action="store_true",
-        help="with --only: replace that suite's sections in docs/BENCHMARKS.md",
+        help="with --only: put the suite's sections into docs/BENCHMARKS.md in place of its "
+        "earlier ones, keeping the others",
     )
     parser.add_argument(
-        "--peer-server", type=Path, help="llama.cpp's llama-server (make peer-server)"
+        "--peer-server", type=Path, help="llama.cpp's llama-server (make peer-server), for conclave"
     )
     parser.add_argument(
         "--invariant-site",
         type=Path,
         help="llama-cpp-python built batch-invariant (make wheel-invariant), for batch_rows",
     )
+    parser.add_argument(
+        "--exam-runs",
+        type=Path,
+        help="with --only exam: grade the answers saved in this exam-runs.json again, run no model",
+    )
+    parser.add_argument("--redis", help="a Redis URL to use instead of a private redis-server")
     args = parser.parse_args()
     with (
         tempfile.TemporaryDirectory() as tmp,
-        private_redis(Path(tmp) / "redis", persistent=False) as redis_url,
+        nullcontext(args.redis)
+        if args.redis
+        else private_redis(Path(tmp) / "redis", persistent=False) as redis_url,
     ):
         log_dir = Path(tmp)
         suites: dict[str, Callable[[], list[str]]] = {
@@ -173,39 +201,48 @@ def main() -> None:
             "batch_rows": lambda: [_batch_rows_section(redis_url, args.invariant_site)],
             "chunk_shape": lambda: [_chunk_shape_section(redis_url)],
             "conclave": lambda: [_conclave_section(redis_url, log_dir, args.peer_server)],
+            "exam": lambda: [_exam_section(redis_url, log_dir, args.exam_runs)],
         }
         sections = []
         for name, suite in suites.items():
             if args.only in (None, name):
                 sections += _kept(name, suite)
-    if args.only:
+    if args.only and args.write:
+        text = _replaced(OUT.read_text(), sections)
+    elif args.only:
         print("\n".join(sections))
-        if args.update:
-            OUT.write_text(replace_sections(OUT.read_text(), sections))
         return
-    text = (
-        "# Benchmarks\n\nWritten by `make bench` (`bench/run.py`); every figure below comes from "
-        "that run. Timings on shared 2-core machines are noisy: compare the ratios, which are "
-        "measured side by side in one run.\n\n" + machine.describe() + "\n" + "\n".join(sections)
-    )
+    else:
+        text = (
+            "# Benchmarks\n\nWritten by `make bench` (`bench/run.py`); every figure below comes "
+            "from that run. Timings on shared 2-core machines are noisy: compare the ratios, which "
+            "are measured side by side in one run.\n\n"
+            + machine.describe()
+            + "\n"
+            + "\n".join(sections)
+        )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(text)
     print(text)
 
 
-def replace_sections(document: str, sections: list[str]) -> str:
-    """`document` with each of `sections` in place of the one under the same `## ` heading
-    (appended when there is none): one suite's fresh run among the others' earlier ones."""
+def _replaced(document: str, sections: list[str]) -> str:
+    """`document` with each `## ` section of the same title as one of `sections` replaced by
+    it (or the new one appended), each marked as measured on its own, with its machine."""
+    parts = document.split("\n## ")
+    head, old = parts[0], ["## " + part for part in parts[1:]]
     for section in sections:
-        heading = section.split("\n", 1)[0]
-        start = document.find(heading + "\n")
-        if start < 0:
-            document = document.rstrip("\n") + "\n\n" + section
-            continue
-        end = document.find("\n## ", start + len(heading))
-        end = len(document) if end < 0 else end + 1
-        document = document[:start] + section + document[end:]
-    return document
+        title, _, body = section.partition("\n")
+        marked = (
+            f"{title}\n\nMeasured on its own (`python -m bench.run --only ... --write`), "
+            f"not in the run the top of this file describes:\n\n{machine.describe()}{body}"
+        )
+        at = [i for i, part in enumerate(old) if part.split("\n", 1)[0] == title]
+        if at:
+            old[at[0]] = marked.rstrip("\n") + "\n"
+        else:
+            old.append(marked.rstrip("\n") + "\n")
+    return "\n".join([head.rstrip("\n") + "\n", *old])
 
 
 if __name__ == "__main__":

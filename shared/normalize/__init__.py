@@ -32,7 +32,7 @@ from shared.normalize.facts import facts_lines
 from shared.normalize.guard import guard
 from shared.normalize.html import html_blocks
 from shared.normalize.markdown import markdown_blocks
-from shared.normalize.plain import plain_blocks
+from shared.normalize.plain import plain_blocks, without_page_numbers
 from shared.normalize.render import Line, text_lines
 from shared.schemas import DocumentFormat
 from shared.schemas import DocumentType as InputType
@@ -128,9 +128,9 @@ def read_blocks(text: str, kind: InputType) -> list[Block]:
 
 def _units(text: str, kind: InputType, blocks: list[Block]) -> list[str]:
     """What the self-check protects: plain text's own paragraphs (so clean-up is checked
-    too), else the texts the parser read."""
+    too) but its page numbers, else the texts the parser read."""
     if kind == "text":
-        return re.split(r"\n\s*\n|\f", text)
+        return re.split(r"\n\s*\n|\f", without_page_numbers(text))
     return [unit for block in blocks for unit in block.units()]
 
 

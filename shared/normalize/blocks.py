@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 BlockKind = Literal["heading", "paragraph", "item", "pair", "table"]
-# Why a parser would leave a block out; it stays if it holds a fact (see `guard`).
-DropReason = Literal["furniture", "header_footer"]
+# Why a parser would leave a block out; it stays if it holds a fact (see `guard`), except a
+# page number ("Page 2 of 9" at the edge of pages with running headers): that numbers the
+# layout, not anything the document says, so it is neither restored nor checked.
+DropReason = Literal["furniture", "header_footer", "page_number"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +28,8 @@ class Block:
 
     def units(self) -> list[str]:
         """The texts the parser read, one per cell or line: what the self-check protects."""
+        if self.drop == "page_number":
+            return []
         if self.kind == "table":
             return [cell for row in (self.header, *self.rows) for cell in row if cell]
         if self.kind == "pair":

@@ -9,6 +9,8 @@ import unicodedata
 from collections import Counter
 from collections.abc import Callable
 
+from shared.normalize.blocks import DropReason
+
 _INVISIBLE = re.compile("[\u00ad\u200b\u200c\u200d\u2060\ufeff]")
 _SPACES = re.compile(r"[^\S\n]+")
 _BROKEN_WORD = re.compile(r"(?<![\w./@:-])([^\W\d_]+)-$")
@@ -18,6 +20,12 @@ _BULLET = re.compile(r"^[-*•·‣▪◦]\s+")
 _NUMBERED = re.compile(r"^\d{1,3}[.)]\s+")
 # A page header or footer repeats at least this often (without page breaks to go by).
 REPEATS = 3
+# A line that only numbers its page: "Page 2 of 9", "Seite 2 von 9", "p. 2", "2/9", "- 2 -".
+_PAGE_NUMBER = re.compile(
+    r"(?:(?:page|p\.|pag\.|pagina|seite|s\.|página|pág\.)\s*)?\d{1,4}"
+    r"(?:\s*(?:of|di|von|de|sur|/)\s*\d{1,4})?|[-\u2013\u2014]\s*\d{1,4}\s*[-\u2013\u2014]",
+    re.IGNORECASE,
+)
 
 
 def inline(text: str) -> str:
@@ -39,13 +47,19 @@ def _mask(line: str) -> str:
     return _DIGITS.sub("#", line)
 
 
-def repeated_furniture(page_lines: list[list[str]]) -> set[tuple[int, int]]:
-    """(page, line) positions of running headers and footers, all but their first occurrence.
+def is_page_number(line: str) -> bool:
+    return _PAGE_NUMBER.fullmatch(line) is not None
+
+
+def repeated_furniture(page_lines: list[list[str]]) -> dict[tuple[int, int], DropReason]:
+    """(page, line) positions of running headers and footers, all but their first occurrence,
+    each with why: "header_footer", or "page_number" for a line that only numbers its page,
+    whose first occurrence goes too (it holds no fact of the document, only of its layout).
 
     With page breaks: a line (digits masked, so "Page 2 of 9" matches "Page 3 of 9") that is
     the first or last of at least two pages. Without: a line with letters seen `REPEATS` times.
     """
-    found: set[tuple[int, int]] = set()
+    found: dict[tuple[int, int], DropReason] = {}
     if len(page_lines) > 1:
         edges = [(p, i) for p, lines in enumerate(page_lines) for i in _edge_lines(lines)]
         counts = Counter(_mask(page_lines[p][i]) for p, i in edges)
@@ -59,8 +73,10 @@ def repeated_furniture(page_lines: list[list[str]]) -> set[tuple[int, int]]:
     seen: set[str] = set()
     for p, i in repeated:
         mask = _mask(page_lines[p][i])
-        if mask in seen:
-            found.add((p, i))
+        if is_page_number(page_lines[p][i]):
+            found[(p, i)] = "page_number"
+        elif mask in seen:
+            found[(p, i)] = "header_footer"
         seen.add(mask)
     return found
 

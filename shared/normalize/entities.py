@@ -62,11 +62,11 @@ NEGATION_CUES = (
     # it
     "non|mai|nessun|nessuno|nessuna|senza|né|niente|nulla|escluso|esclusa|esclusi|escluse|"
     # de
-    "nicht|kein|keine|keinen|keinem|keiner|nie|niemals|ohne|"
+    "nicht|kein|keine|keinen|keinem|keiner|nie|niemals|ohne|ausgeschlossen|ausgenommen|"
     # fr
-    "ne|n'|pas|jamais|aucun|aucune|sans|ni|"
+    "ne|n'|pas|jamais|aucun|aucune|sans|ni|exclu|exclue|exclus|exclues|"
     # es
-    "nunca|ningún|ninguno|ninguna|sin|jamás"
+    "nunca|ningún|ninguno|ninguna|sin|jamás|excluido|excluida|excluidos|excluidas"
 )
 _NEGATION = re.compile(rf"(?<![\w'])(?:{NEGATION_CUES})(?![\w'])", re.IGNORECASE)
 _CONDITION = re.compile(

@@ -14,8 +14,9 @@ def guard(lines: list[Line]) -> list[Line]:
     have = {e for line in kept for e in entities(line.text)}
     text = canonical("\n".join(line.text for line in kept))
     for line in lines:
-        if line.drop is None or line.drop in ("duplicate", "filler"):
-            # A duplicate's facts are in the line it repeats; filler has none by definition.
+        if line.drop is None or line.drop in ("duplicate", "filler", "page_number"):
+            # A duplicate's facts are in the line it repeats; filler has none by definition; a
+            # page number numbers the layout.
             continue
         values = entities(line.text)
         negated = negation_windows(line.text)

@@ -5,7 +5,9 @@ Never read: scripts, styles, templates, embedded objects and the `<head>`. Read 
 furniture (dropped unless they hold a fact): navigation, forms, buttons, and anything whose
 id, class, role or label names cookies, consent, sharing, menus, breadcrumbs, newsletters or
 pop-ups. Footers are content: VAT numbers, phones and opening hours live there. A `tel:` or
-`mailto:` link whose text does not show its target gets the target after it, in brackets.
+`mailto:` link whose text does not show its target gets the target after it, in brackets; so
+does an absolute http(s) link outside furniture (a menu's or share bar's targets would only be
+put back by the guard, as facts, and bring dozens).
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ class _Reader:
                 self.flush(kind, furniture)
             elif tag in _INLINE:
                 self.walk(child, furniture, kind)
-                self._buffer.append(_link_target(child))
+                self._buffer.append(_link_target(child, furniture))
             else:
                 self._block(child, furniture or _is_furniture(child), kind)
 
@@ -157,7 +159,7 @@ class _Reader:
         rows: list[tuple[str, ...]] = []
         for tr, in_head in _rows(table):
             cells = [c for c in tr.iter() if c.tag in ("td", "th")]
-            row = tuple(_text_of(c) for c in cells)
+            row = tuple(_text_of(c, furniture) for c in cells)
             if not any(row):
                 continue
             all_th = all(c.tag == "th" for c in cells)
@@ -166,7 +168,7 @@ class _Reader:
             else:
                 rows.append(row)
         for caption in (c for c in table.iter() if c.tag == "caption"):
-            self._buffer.append(_text_of(caption))
+            self._buffer.append(_text_of(caption, furniture))
             self.flush("heading", furniture)
         if header or rows:
             drop: DropReason | None = "furniture" if furniture else None
@@ -177,8 +179,8 @@ class _Reader:
         drop: DropReason | None = "furniture" if furniture else None
         for child in _flatten_divs(dl):
             if child.tag == "dt":
-                label = _text_of(child)
-            elif child.tag == "dd" and (value := _text_of(child)):
+                label = _text_of(child, furniture)
+            elif child.tag == "dd" and (value := _text_of(child, furniture)):
                 block = Block("pair", value, label=label) if label else Block("paragraph", value)
                 self.blocks.append(Block(block.kind, block.text, label=block.label, drop=drop))
 
@@ -202,7 +204,7 @@ def _rows(table: LexborNode) -> Iterator[tuple[LexborNode, bool]]:
             yield child, False
 
 
-def _text_of(node: LexborNode) -> str:
+def _text_of(node: LexborNode, furniture: bool) -> str:
     """All text under `node` on one line; block boundaries and `<br>` become spaces."""
     parts: list[str] = []
     for child in node.iter(include_text=True):
@@ -212,20 +214,29 @@ def _text_of(node: LexborNode) -> str:
         elif tag.startswith("-") or tag in _SKIP:
             continue
         elif tag in _INLINE:
-            parts.append(_text_of(child) + _link_target(child))
+            parts.append(_text_of(child, furniture) + _link_target(child, furniture))
         else:
-            parts.append(f" {_text_of(child)} ")
+            parts.append(f" {_text_of(child, furniture)} ")
     return inline("".join(parts))
 
 
-def _link_target(node: LexborNode) -> str:
-    """The target in brackets for a tel:/mailto: link that does not show its target, else ""."""
+def _link_target(node: LexborNode, furniture: bool) -> str:
+    """The target in brackets for a link whose text does not show it, else "": `tel:` and
+    `mailto:` anywhere, absolute http(s) links outside furniture."""
     if node.tag != "a":
         return ""
     href = (node.attributes.get("href") or "").strip()
     scheme, _, target = href.partition(":")
+    shown = inline(node.text(deep=True) or "")
+    if scheme.lower() in ("http", "https"):
+        if furniture or not target.startswith("//") or len(target) <= 2:
+            return ""
+        bare = _WEB_PREFIX.sub("", href).rstrip("/").lower()
+        return "" if bare in shown.lower() else f" ({href})"
     if scheme.lower() not in ("tel", "mailto") or not target:
         return ""
     target = unquote(target.split("?", 1)[0]).strip()
-    shown = inline(node.text(deep=True) or "")
     return "" if not target or target in shown else f" ({target})"
+
+
+_WEB_PREFIX = re.compile(r"^https?://(?:www\.)?", re.IGNORECASE)

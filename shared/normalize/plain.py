@@ -35,7 +35,7 @@ def plain_blocks(text: str) -> list[Block]:
     for p, lines in enumerate(pages):
         for i, line in enumerate(lines):
             if (p, i) in furniture:
-                dropped.append(Block("paragraph", line, drop="header_footer"))
+                dropped.append(Block("paragraph", line, drop=furniture[(p, i)]))
             elif line:
                 paragraph.append(line)
             else:
@@ -44,6 +44,20 @@ def plain_blocks(text: str) -> list[Block]:
     blocks += line_blocks(paragraph)
     # Running headers and footers sit at page edges; if one is kept, it reads as a footer.
     return blocks + dropped
+
+
+def without_page_numbers(text: str) -> str:
+    """`text` with the lines `plain_blocks` drops as page numbers blanked, else as it is: what
+    the self-check protects of plain text (a page number is layout, not a fact)."""
+    furniture = cleanup.repeated_furniture(cleanup.pages(text))
+    numbering = {at for at, why in furniture.items() if why == "page_number"}
+    if not numbering:
+        return text
+    raw = text.replace("\r\n", "\n").replace("\r", "\n").split("\f")
+    return "\f".join(
+        "\n".join("" if (p, i) in numbering else line for i, line in enumerate(page.split("\n")))
+        for p, page in enumerate(raw)
+    )
 
 
 def line_blocks(lines: list[str], *, headings: bool = True) -> list[Block]:

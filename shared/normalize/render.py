@@ -14,8 +14,8 @@ class Line:
     text: str
     # Lines under the same heading share a section; duplicates are judged within one.
     section: int
-    # Why a rule leaves it out ("furniture", "header_footer", "filler", "heading",
-    # "duplicate"); None: it is output. `guard` puts back any that holds a fact.
+    # Why a rule leaves it out ("furniture", "header_footer", "page_number", "filler",
+    # "heading", "duplicate"); None: it is output. `guard` puts back any that holds a fact.
     drop: str | None = None
     restored: bool = False
 

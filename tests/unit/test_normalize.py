@@ -118,8 +118,51 @@ def test_repeated_page_headers_and_broken_words_are_repaired() -> None:
     text = normalize(read("contract.txt"), "text").text
     assert text.count("NORDWIND LOGISTICS - SERVICE AGREEMENT") == 1
     assert "goods of the Customer from its warehouse" in text
-    # Page numbers hold numbers: the first stays, the second repeats nothing new.
-    assert "Page 1 of 2" in text and "Page 2 of 2" not in text
+    # A running header stays once; page numbers number the layout and all go.
+    assert "Page 1 of 2" not in text and "Page 2 of 2" not in text
+
+
+def test_page_numbers_go_even_when_their_numbers_are_nowhere_else() -> None:
+    # 7 and 9 appear only in "Page 7 of 9"-style lines: no fact of the document, so the guard
+    # does not put them back and the self-check does not ask for them.
+    pages = [
+        f"ACME TERMS\n\nSection {name}: delivery within 30 days.\n\nSeite {n} von 9"
+        for n, name in ((7, "A"), (8, "B"), (9, "C"))
+    ]
+    for fmt in ("text", "facts"):
+        result = normalize("\f".join(pages), fmt)  # type: ignore[arg-type]
+        assert (result.used, result.missing) == (fmt, ())
+        assert "Seite" not in result.text and result.kept["dropped_page_number"] == 3
+    assert normalize("\f".join(pages), "text").text.count("ACME TERMS") == 1
+    # Without running headers (one page) a lone page number is a line like any other.
+    assert "Seite 7 von 9" in normalize(pages[0], "text").text
+
+
+def test_links_keep_a_target_their_text_does_not_show() -> None:
+    html = (
+        '<nav><a href="https://shop.example/home">Home</a></nav>'
+        '<p>Read the <a href="https://shop.example/terms-2025">terms</a> or '
+        '<a href="https://www.shop.example/">shop.example</a>, '
+        '<a href="/local">a relative link</a>.</p>'
+        '<div class="share"><a href="https://social.example/share?u=1">Share</a></div>'
+        '<footer><a href="https://social.example/acme">Follow us</a></footer>'
+    )
+    for fmt in ("text", "facts"):
+        result = normalize(html, fmt)  # type: ignore[arg-type]
+        assert "terms (https://shop.example/terms-2025)" in result.text
+        assert "Follow us (https://social.example/acme)" in result.text
+        # Shown already, relative, or in furniture (a menu, a share bar): no target added.
+        assert "shop.example (" not in result.text and "/local" not in result.text
+        assert "shop.example/home" not in result.text and "share?u=1" not in result.text
+
+
+def test_exclusion_words_are_negations() -> None:
+    # German "ausgeschlossen" (excluded) negates as "nicht" does: the sentence is a fact.
+    html = (
+        "<h2>Rückgabe</h2><p>Wir beraten Sie gern. Maßanfertigungen sind von der Rückgabe "
+        "ausgeschlossen.</p>"
+    )
+    assert "Maßanfertigungen sind von der Rückgabe ausgeschlossen." in normalize(html, "facts").text
 
 
 @pytest.mark.parametrize(
