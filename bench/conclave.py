@@ -7,8 +7,9 @@ second later four short chats arrive: their p95 TTFT, and the long request's TTF
 TTFT alone (another document of the same length, so no cache helps either).
 
 Every system runs alone on the machine, with the same model file and 2 threads: granary
-(API + one worker; `worker.exact_batching` on, the default, and off) and `llama-server -np 8
--kvu` built from the llama.cpp llama-cpp-python vendors (`make peer-server`).
+(API + one worker: one job at a time as before the Conclave, then 8 at once with
+`worker.exact_batching` on, the default, and off) and `llama-server -np 8 -kvu` built from the
+llama.cpp llama-cpp-python vendors (`make peer-server`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -151,9 +153,18 @@ def measure(url: str, system: str, offset: int, pid: int) -> tuple[list[LoadRow]
 
 
 @contextmanager
-def granary(settings: Settings, log_dir: Path, exact: bool) -> Iterator[tuple[str, int]]:
-    worker = {"exact_batching": exact, "max_active_jobs": 8}
-    run = settings.model_copy(update={"worker": settings.worker.model_copy(update=worker)})
+def granary(
+    settings: Settings, log_dir: Path, exact: bool, active: int
+) -> Iterator[tuple[str, int]]:
+    worker = {"exact_batching": exact, "max_active_jobs": active}
+    # A cache of its own: a state another run (or bench) saved would answer a prompt at once.
+    cache = {"dir": Path(tempfile.mkdtemp(dir=log_dir, prefix="kv-"))}
+    run = settings.model_copy(
+        update={
+            "worker": settings.worker.model_copy(update=worker),
+            "cache": settings.cache.model_copy(update=cache),
+        }
+    )
     stack = Stack(run, log_dir)
     try:
         stack.start_api()
@@ -187,9 +198,13 @@ def llama_server(server: Path, settings: Settings, log_dir: Path) -> Iterator[tu
 def section(settings: Settings, log_dir: Path, server: Path | None) -> str:
     loads: list[LoadRow] = []
     mixes: list[MixRow] = []
-    runs = [("granary, exact (default)", True), ("granary, exact_batching off", False)]
-    for offset, (name, exact) in enumerate(runs):
-        with granary(settings, log_dir, exact) as (url, pid):
+    runs = [
+        ("granary, one job at a time (max_active_jobs 1)", True, 1),
+        ("granary, exact (default)", True, 8),
+        ("granary, exact_batching off", False, 8),
+    ]
+    for offset, (name, exact, active) in enumerate(runs):
+        with granary(settings, log_dir, exact, active) as (url, pid):
             rows, mix = measure(url, name, offset * 10_000, pid)
         loads += rows
         mixes.append(mix)

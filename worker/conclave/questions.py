@@ -2,8 +2,8 @@
 
 The prefix (instructions + document) is a prefill-only stream that stays held while the job's
 questions run; each question is a stream whose prompt starts with that prefix, so the Conclave
-forks the held cells instead of computing them again, and the questions decode in the same
-steps as every other job's tokens.
+copies the held cells into the question's sequence instead of computing them again, and the
+questions decode in the same steps as every other job's tokens.
 """
 
 from __future__ import annotations
@@ -105,7 +105,6 @@ def _answer(
                 priority,
                 max_new=answering.budget(i),
                 sampling=Sampling(order.temperature, order.top_p, (order.seed + i) % 2**32),
-                shared_prefix=len(prefix),
             )
             on_token = partial(_on_token, answering, questions[j])
             handle = engine.conclave.handle(request, on_token, events, tag=j)

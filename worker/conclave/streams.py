@@ -52,8 +52,6 @@ class StreamRequest:
     # Keep the sequence reserved after prefill until the handle closes: an extraction's
     # questions fork from it.
     hold: bool = False
-    # Leading tokens a held stream of the same job keeps in memory: forked, not reserved again.
-    shared_prefix: int = 0
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -67,10 +65,11 @@ class StreamRequest:
 
     @property
     def cells(self) -> int:
-        """KV cells the stream may occupy: its prompt and every token it may decode."""
+        """KV cells the stream may fill in its sequence: its prompt and every token it may
+        decode."""
         if self.max_new == 0:
-            return self.prefill_end - self.shared_prefix
-        return len(self.tokens) + self.max_new - self.shared_prefix
+            return self.prefill_end
+        return len(self.tokens) + self.max_new
 
 
 @dataclass(frozen=True, slots=True)
