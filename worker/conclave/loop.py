@@ -185,13 +185,22 @@ class Conclave:
             if stopping:
                 self._fail_all(RuntimeError("the worker stopped"))
                 return
-            self._sweep()
-            self._start_waiting()
-            worked = self._prefill_one()
-            worked = self._step() or worked
+            try:
+                worked = self._turn()
+            except Exception as exc:  # a dead model thread would leave every job waiting
+                log.exception("the conclave's turn failed; failing its streams")
+                self._fail_all(exc)
+                worked = False
             if not worked:
                 self._wake.wait()
                 self._wake.clear()
+
+    def _turn(self) -> bool:
+        """One turn of the loop; False when there was nothing to do."""
+        self._sweep()
+        self._start_waiting()
+        worked = self._prefill_one()
+        return self._step() or worked
 
     def _sweep(self) -> None:
         for stream in list(self._streams):
@@ -399,6 +408,8 @@ class Conclave:
             self._incoming.clear()
         for stream in list(self._streams):
             stream.handle.put(Failed(exc))
+            if stream.resident is not None:
+                self._memory.forget(stream.resident)
             self._forget_stream(stream)
 
     def _forget_stream(self, stream: _Stream) -> None:
