@@ -222,17 +222,30 @@ class ConclaveWorker(GranaryWorker):
         finally:
             with self._changed:
                 del self._active[execution.id]
+                idle = not self._active
                 self._changed.notify_all()
+            if idle:  # so a stop request now ends the worker at once
+                self.set_state(WorkerStatus.IDLE)
 
     def dequeue_job_and_maintain_ttl(
         self, timeout: int | None, max_idle_time: int | None = None
     ) -> tuple[Job, Queue] | None:
-        self._wait_for_room()
-        warm_running = any(name == WARM for _, name in self._active.values())
-        self._ordered_queues = [
-            q for q in self._all_queues if q.name != WARM or not (warm_running or self._active)
-        ]
-        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        """The next job once there is room; None once a stop is requested."""
+        wait = timeout or 1
+        while not self._stop_requested:
+            self._wait_for_room()
+            if self._stop_requested:
+                break
+            warm_running = any(name == WARM for _, name in self._active.values())
+            self._ordered_queues = [
+                q for q in self._all_queues if q.name != WARM or not (warm_running or self._active)
+            ]
+            # rq's loop returns only with a job or when idle too long; a stop requested while
+            # jobs run (the worker is busy, so rq only sets a flag) must end it too.
+            result = super().dequeue_job_and_maintain_ttl(wait, wait)
+            if result is not None:
+                return result
+        return None
 
     def _wait_for_room(self) -> None:
         with self._changed:
