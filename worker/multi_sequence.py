@@ -447,7 +447,10 @@ def sample(logits: Logits, temperature: float, top_p: float, rng: np.random.Gene
     """Argmax at temperature 0, else a draw from the top_p nucleus of softmax(logits / T)."""
     if temperature <= 0:
         return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / temperature
+    with np.errstate(over="ignore"):
+        scaled = logits.astype(np.float64) / temperature
+    if not np.isfinite(scaled).all():  # a temperature this close to 0 is greedy
+        return int(np.argmax(logits))
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
     if top_p >= 1:
