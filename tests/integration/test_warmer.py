@@ -92,7 +92,8 @@ def test_a_scheduled_run_warms_the_whole_document(
 
 
 def test_warm_jobs_step_aside_for_interactive_ones(stack_factory: Callable[..., Stack]) -> None:
-    stack = stack_factory(cache=CACHE, n_ctx=2048)
+    # The one-job engine steps aside; in the Conclave a warm job shares the turns instead.
+    stack = stack_factory(cache=CACHE, n_ctx=2048, worker={"max_active_jobs": 1})
     document = INVOICE * 2  # ~1000 tokens: many chunks of warm prefill
     run = httpx.post(f"{stack.url}/v1/warm", json={"document": document, **_fields()}).json()
     warm_id = run["jobs"][0]["id"]
