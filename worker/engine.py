@@ -148,20 +148,11 @@ class Engine:
         """
         if self.cache is None:
             raise CacheDisabled("the prefix cache is disabled: there is nowhere to warm into")
-        tokens, boundary = tokenize_parts(self.llama, render_warm(self.llama, order.item))
-        if len(tokens) >= self.n_ctx:
-            raise ContextOverflow(f"the prefix is {len(tokens)} tokens; n_ctx is {self.n_ctx}")
-        target = boundary if boundary is not None else len(tokens) - 1
+        tokens, target = warm_target(self.llama, order, self.n_ctx)
         cached, reached = self.load_prefix(order.cache_namespace, tokens, target, should_yield)
         if self._saver is not None:
             self._saver.flush()  # "warmed" means a request arriving now finds it on disk
-        return WarmResult(
-            prefix_tokens=target,
-            cached_tokens=cached,
-            warmed_tokens=max(reached - cached, 0),
-            already_cached=cached >= target,
-            yielded=int(reached < target),
-        )
+        return warm_result(target, cached, reached)
 
     def load_prefix(
         self,
@@ -321,24 +312,33 @@ class Engine:
                 prompt[-1:], temp=order.temperature, top_p=order.top_p, reset=False
             )
             try:
-                return self._consume(tokens, stream, decoded, max_tokens, on_token)
+                return consume(llama, tokens, stream, decoded, max_tokens, on_token)
             finally:
                 tokens.close()
         left = max_tokens - decoded.count
         with self.speculator.decode(llama, prompt, order, left) as run:
-            decoded = self._consume(iter(run), stream, decoded, max_tokens, on_token)
+            decoded = consume(llama, iter(run), stream, decoded, max_tokens, on_token)
         decoded.speculation = run.report()
         return decoded
 
-    def _consume(
-        self,
-        tokens: Iterator[int],
-        stream: TextStream,
-        decoded: Decoded,
-        max_tokens: int,
-        on_token: OnToken,
-    ) -> Decoded:
-        return consume(self.llama, tokens, stream, decoded, max_tokens, on_token)
+
+def warm_target(llama: Llama, order: WarmOrder, n_ctx: int) -> tuple[list[int], int]:
+    """A warm job's tokens and where its state ends: a document's end, else the last-but-one
+    token (what a later request restores whole)."""
+    tokens, boundary = tokenize_parts(llama, render_warm(llama, order.item))
+    if len(tokens) >= n_ctx:
+        raise ContextOverflow(f"the prefix is {len(tokens)} tokens; n_ctx is {n_ctx}")
+    return tokens, boundary if boundary is not None else len(tokens) - 1
+
+
+def warm_result(target: int, cached: int, reached: int) -> WarmResult:
+    return WarmResult(
+        prefix_tokens=target,
+        cached_tokens=cached,
+        warmed_tokens=max(reached - cached, 0),
+        already_cached=cached >= target,
+        yielded=int(reached < target),
+    )
 
 
 def consume(

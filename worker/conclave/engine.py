@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 
 from llama_cpp import Llama
 
-from shared.errors import CacheDisabled, ContextOverflow
-from shared.llm import render_warm, tokenize_parts
+from shared.errors import CacheDisabled
+from shared.llm import tokenize_parts
 from shared.prefix_cache import PrefixCache
 from shared.schemas import JobResult, Timings, Usage, WarmOrder, WarmResult, WorkOrder
 from worker.conclave.loop import Conclave
@@ -27,7 +27,16 @@ from worker.conclave.streams import (
     StreamHandle,
     StreamRequest,
 )
-from worker.engine import Decoded, Generation, OnToken, TextSink, chunk_breaks, end_text
+from worker.engine import (
+    Decoded,
+    Generation,
+    OnToken,
+    TextSink,
+    chunk_breaks,
+    end_text,
+    warm_result,
+    warm_target,
+)
 from worker.prefix_saver import PrefixSaver
 from worker.resume import text_stream
 
@@ -133,10 +142,7 @@ class ConclaveEngine:
         """Compute a prefix into the cache (see Engine.warm), at the lowest priority."""
         if self.cache is None:
             raise CacheDisabled("the prefix cache is disabled: there is nowhere to warm into")
-        tokens, boundary = tokenize_parts(self.llama, render_warm(self.llama, order.item))
-        if len(tokens) >= self.n_ctx:
-            raise ContextOverflow(f"the prefix is {len(tokens)} tokens; n_ctx is {self.n_ctx}")
-        target = boundary if boundary is not None else len(tokens) - 1
+        tokens, target = warm_target(self.llama, order, self.n_ctx)
         request = StreamRequest(
             tokens,
             chunk_breaks(target, limit=len(tokens) - 1),
@@ -150,13 +156,7 @@ class ConclaveEngine:
             reached = _wait_prefilled(handle, should_stop)
         if self._saver is not None:
             self._saver.flush()  # "warmed" means a request arriving now finds it on disk
-        return WarmResult(
-            prefix_tokens=target,
-            cached_tokens=cached,
-            warmed_tokens=max(reached - cached, 0),
-            already_cached=cached >= target,
-            yielded=int(reached < target),
-        )
+        return warm_result(target, cached, reached)
 
 
 def _wait_ended(handle: StreamHandle) -> Ended:
