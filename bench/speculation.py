@@ -154,7 +154,13 @@ def _new_essays() -> Measure:
 
 def _workloads() -> dict[str, list[Measure]]:
     clauses = [f"Quote clause {n} word for word." for n in CLAUSES_ASKED]
-    contract = {"document": CONTRACT, "temperature": 0, "max_tokens": COPY_TOKENS}
+    # As sent: the answers quote the document word for word.
+    contract = {
+        "document": CONTRACT,
+        "document_format": "raw",
+        "temperature": 0,
+        "max_tokens": COPY_TOKENS,
+    }
     lines = [f"Quote lines {n} to {n + 2} of the ledger exactly as written." for n in LINES]
     ledger = contract | {"document": document(40, seed=77).rsplit("\n", 1)[0]}
     return {

@@ -9,10 +9,11 @@ deterministic, so the same document and format always give the same prefix.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING, TypeVar
 
 from shared.normalize import Normalized, normalize
-from shared.schemas import DocumentFields, DocumentReport
+from shared.schemas import DocumentFields, DocumentFormat, DocumentReport, DocumentType
 
 if TYPE_CHECKING:  # the warmer normalises spec documents and loads no llama library
     from llama_cpp import Llama
@@ -24,9 +25,22 @@ def normalized(fields: Fields) -> tuple[Fields, Normalized | None]:
     """`fields` with its document normalised (unchanged for `raw` or no document)."""
     if fields.document is None or fields.document_format == "raw":
         return fields, None
-    result = normalize(fields.document, fields.document_format, fields.document_type)
+    result = _normalize(fields.document, fields.document_format, fields.document_type)
     update = {"document": result.text, "document_type": result.input_type}
     return fields.model_copy(update=update), result
+
+
+# Many requests ask about the same document: normalising a page takes tens of milliseconds,
+# which a request whose prefix is restored from the cache would otherwise spend on every call.
+# Bounded in entries and in the size of a document worth keeping.
+_MEMO_MAX_CHARS = 500_000
+_memo = lru_cache(maxsize=32)(normalize)
+
+
+def _normalize(text: str, format: DocumentFormat, input_type: DocumentType | None) -> Normalized:
+    if len(text) > _MEMO_MAX_CHARS:
+        return normalize(text, format, input_type)
+    return _memo(text, format, input_type)
 
 
 def report(tokenizer: Llama, before: str, result: Normalized) -> DocumentReport:

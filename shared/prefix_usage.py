@@ -20,10 +20,14 @@ from shared.schemas import DocumentFields, WarmItem
 
 def prefix_id(item: WarmItem | DocumentFields, namespace: str | None) -> str:
     """Names a prefix by what renders it (whatever the model), within one cache namespace."""
-    # Defaults left out: a raw document keeps the id it had before document_format existed.
     fields = item.model_dump(
         include=set(WarmItem.model_fields) - {"name"}, exclude_none=True, exclude_defaults=True
     )
+    # Whatever the default: a raw document keeps the id it had before document_format existed,
+    # and every other format is named.
+    fields.pop("document_format", None)
+    if item.document is not None and item.document_format != "raw":
+        fields["document_format"] = item.document_format
     data = codec.dumps({"item": fields, "namespace": namespace})
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 

@@ -118,7 +118,7 @@ class WarmSpec(BaseModel):
     # Files or glob patterns; relative ones from the spec file's directory (or the cwd).
     documents: list[str] = Field(min_length=1)
     # As requests for these documents send them: the warmed prefix is the normalised text.
-    document_format: DocumentFormat = "raw"
+    document_format: DocumentFormat = "facts"
     document_type: DocumentType | None = None
 
 

@@ -129,12 +129,15 @@ def stack_order(stack: Stack, job_id: str) -> dict[str, Any]:
     return order
 
 
-def test_raw_stays_the_default_and_reports_nothing(stack_factory: Callable[..., Stack]) -> None:
+def test_facts_is_the_default_and_raw_is_sent_as_is(stack_factory: Callable[..., Stack]) -> None:
     stack = stack_factory(workers=0)
     body = {"document": HOTEL, "prompt": "Price?", "max_tokens": 2}
     job = httpx.post(f"{stack.url}/v1/jobs", json=body).json()
-    assert job["document"] is None
-    assert stack_order(stack, job["id"])["document"]["document"] == HOTEL
+    assert (job["document"]["format"], job["document"]["used"]) == ("facts", "facts")
+    assert stack_order(stack, job["id"])["document"]["document"] != HOTEL
+    raw = httpx.post(f"{stack.url}/v1/jobs", json={**body, "document_format": "raw"}).json()
+    assert raw["document"] is None
+    assert stack_order(stack, raw["id"])["document"]["document"] == HOTEL
 
 
 def test_granary_normalize_prints_the_text_and_token_counts(
