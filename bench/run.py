@@ -39,6 +39,8 @@ def _settings(redis_url: str, model: str, **extra: object) -> Settings:
         "model": model,
         "n_ctx": 2048,
         "api": {"port": free_port()},
+        # The suites measure the worker: a repeated request must run, not come from the store.
+        "result_cache": {"enabled": False},
     }
     return Settings(**(values | extra))  # type: ignore[arg-type]
 
