@@ -214,6 +214,22 @@ def test_per_key_namespaces_never_share_results(stack_factory: Callable[..., Sta
     assert again["result"] == first["result"]
 
 
+def test_sampled_rows_decoded_beside_others_are_not_stored(stack: Stack) -> None:
+    """A seeded draw from logits computed in a batch may differ from a lone run's: not stored.
+    Greedy rows there are decided again as a lone run (exact batching): stored."""
+
+    def together(body: dict[str, Any]) -> None:
+        jobs = [submit(stack, {**body, "prompt": f"{p} Count: 1, 2, 3,"}) for p in "AB"]
+        for job in jobs:
+            wait_status(stack, job["id"], {"finished"})
+
+    together({"max_tokens": 60, "temperature": 0.8, "seed": 5})
+    time.sleep(0.5)  # a result is stored just after its job finishes
+    assert stored(stack) == 0
+    together({"max_tokens": 60, "temperature": 0})
+    wait_stored(stack, 2)
+
+
 # No model: the store's own rules against a real Redis.
 
 
