@@ -85,7 +85,8 @@ def section(settings: Settings, log_dir: Path, rounds: int, repeats: int) -> str
 HEADER = """## A repeated identical greedy request
 
 Time to first token at the client through the full job path (HTTP POST → API → SSE), for a
-greedy request no earlier one sent (it runs on the worker: prefill, first token), then the
+greedy request no earlier one sent (it runs on the worker, prefix cache off: a cold prefill of
+~65 tokens, then the first token), then the
 same request again, answered from the result store (`usage.cached_result`: the API finishes
 the job with the stored run's events before the POST returns). Medians; the repeat's maximum
 too. Target: a repeat's TTFT ≤ 20 ms.
