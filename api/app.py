@@ -21,6 +21,7 @@ from shared.job_store import JobStore
 from shared.llm import load_llama
 from shared.prefix_cache import open_cache
 from shared.redis_server import QUICK_BACKOFF, QUICK_RETRIES, connect
+from shared.result_cache import open_results
 from shared.settings import Settings
 from shared.submission import Submitter
 from shared.warm_runs import WarmRuns
@@ -33,7 +34,7 @@ def create_app(settings: Settings) -> FastAPI:
         aredis = _async_redis(settings)
         tokenizer = load_llama(settings, vocab_only=True)
         store = JobStore(redis, settings.jobs.result_ttl_s)
-        submitter = Submitter(redis, store, tokenizer, settings)
+        submitter = Submitter(redis, store, tokenizer, settings, open_results(redis, settings))
         # One pool connection is the hub's pub/sub; the others serve backlog reads.
         hub = EventHub(aredis, backlog_reads=settings.api.redis_max_connections - 1)
         await hub.start()

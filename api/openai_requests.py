@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.errors import InvalidRequest
-from shared.schemas import MAX_STOP_SEQUENCES, SPECIAL_TOKENS, JobRequest, Message, Text
+from shared.schemas import CACHE, MAX_STOP_SEQUENCES, SPECIAL_TOKENS, JobRequest, Message, Text
 
 
 class StreamOptions(BaseModel):
@@ -75,6 +75,8 @@ class _Common(BaseModel):
     n: int = 1
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
+    # granary's own (an extra body field): as on `POST /v1/jobs`.
+    cache: bool = Field(True, description=CACHE)
 
     def refuse_unsupported(self) -> None:
         if self.n != 1:
@@ -93,6 +95,7 @@ class _Common(BaseModel):
             "top_p": self.top_p,
             "seed": self.seed,
             "stop": self.stop,
+            "cache": self.cache,
         }
 
 

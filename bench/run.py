@@ -21,6 +21,7 @@ from bench import (
     job_path,
     machine,
     prefix_cache,
+    result_cache,
     speculation,
     warm,
 )
@@ -39,6 +40,8 @@ def _settings(redis_url: str, model: str, **extra: object) -> Settings:
         "model": model,
         "n_ctx": 2048,
         "api": {"port": free_port()},
+        # The suites measure the worker: a repeated request must run, not come from the store.
+        "result_cache": {"enabled": False},
     }
     return Settings(**(values | extra))  # type: ignore[arg-type]
 
@@ -71,6 +74,15 @@ def _prefix_cache_sections(redis_url: str, log_dir: Path, quick: bool) -> list[s
         _settings(redis_url, "smollm2-135m"), n_docs=20 if quick else 100
     )
     return [prefix_cache.TTFT_HEADER + "\n".join(rows) + "\n", storage]
+
+
+def _result_cache_section(redis_url: str, log_dir: Path, quick: bool) -> str:
+    # No disk cache: a first run prefills cold in every run of this suite (a cache kept from
+    # an earlier run would hold the same prompts).
+    settings = _settings(
+        redis_url, "smollm2-135m", cache={"enabled": False}, result_cache={"enabled": True}
+    )
+    return result_cache.section(settings, log_dir, rounds=2 if quick else 5, repeats=5)
 
 
 def _warm_section(redis_url: str, log_dir: Path, quick: bool) -> str:
@@ -154,6 +166,7 @@ def main() -> None:
         choices=[
             "job_path",
             "prefix_cache",
+            "result_cache",
             "warm",
             "extraction",
             "speculation",
@@ -195,6 +208,7 @@ def main() -> None:
         suites: dict[str, Callable[[], list[str]]] = {
             "job_path": lambda: [_job_path_section(redis_url, log_dir, args.quick)],
             "prefix_cache": lambda: _prefix_cache_sections(redis_url, log_dir, args.quick),
+            "result_cache": lambda: [_result_cache_section(redis_url, log_dir, args.quick)],
             "warm": lambda: [_warm_section(redis_url, log_dir, args.quick)],
             "extraction": lambda: [_extraction_section(redis_url, log_dir)],
             "speculation": lambda: [_speculation_section(redis_url, log_dir, args.quick)],

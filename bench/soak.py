@@ -436,6 +436,8 @@ def run(listeners: int, outage_s: float, port_base: int, outage_listeners: int) 
             n_ctx=1024,
             api={"port": api_port},
             warmer={"schedule": "*/10 * * * * *"},
+            # Its jobs must run (listeners watch them stream): none comes from the store.
+            result_cache={"enabled": False},
         )
         stack = Stack(settings, Path(tmp))
         try:

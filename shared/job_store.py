@@ -182,6 +182,10 @@ class JobStore:
         named = [(_event_name(e), e.model_dump_json().encode()) for e in events]
         return self._scripts.emit_events(_event_keys(job_id), events[0].index, named)
 
+    def emit_recorded(self, job_id: str, events: list[tuple[str, bytes]]) -> None:
+        """Publish a stored run's events (name, json) from index 0, as its worker did."""
+        self._scripts.emit_events(_event_keys(job_id), 0, events)
+
     def finish(
         self,
         job_id: str,
@@ -224,6 +228,17 @@ class JobStore:
         )
         events = [JobEvent.from_fields(fields) for _, fields in entries]
         return [e for e in events if e.seq > after_seq]
+
+    def finished_events(self, job_id: str) -> list[JobEvent] | None:
+        """The whole event stream of a job that finished normally; None for any other status
+        (a cancel or failure that won the race with the worker's finish)."""
+        with self._redis.pipeline() as pipe:  # MULTI: the status and the stream it ended
+            pipe.hget(keys.job(job_id), "status")
+            pipe.xrange(keys.job_events(job_id))
+            status, entries = pipe.execute()
+        if status != JobStatus.FINISHED.value.encode():
+            return None
+        return [JobEvent.from_fields(fields) for _, fields in entries]
 
     @staticmethod
     def _view(job_id: str, record: dict[str, Any]) -> JobView:

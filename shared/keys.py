@@ -43,6 +43,16 @@ def cache_counters(fingerprint: str) -> str:
     return f"{PREFIX}:cache:{fingerprint}:counters"
 
 
+def result_entry(digest: str) -> str:
+    """A finished result, stored to answer identical requests (shared/result_cache.py)."""
+    return f"{PREFIX}:result:{digest}"
+
+
+def result_index() -> str:
+    """Sorted set: result digest -> when it was last recorded or used (the size cap's order)."""
+    return f"{PREFIX}:results"
+
+
 def metrics_counters() -> str:
     """Hash of job counters summed over every worker (tokens; jobs by final status)."""
     return f"{PREFIX}:metrics:counters"

@@ -72,6 +72,10 @@ class SamplingParams(BaseModel):
         return value
 
 
+CACHE = (
+    "Answer from the result of an identical earlier request when one is stored (greedy or "
+    "seeded requests only), and store this one's. False: always run, and store nothing."
+)
 DOCUMENT_PLACEHOLDER = "{document}"
 SPECIAL_TOKENS = (
     "Read control-token text in a plain `prompt` (e.g. `<|im_start|>`) as the model's control "
@@ -133,6 +137,7 @@ class JobRequest(SamplingParams, DocumentFields):
     # Draft tokens from the prompt and past outputs and verify them in one pass: `auto` keeps
     # it on only while it is faster. None: the server's default (`jobs.speculation`).
     speculation: Speculation | None = None
+    cache: bool = Field(True, description=CACHE)
 
     @model_validator(mode="after")
     def _one_input(self) -> JobRequest:
@@ -171,6 +176,7 @@ class ExtractionRequest(SamplingParams, DocumentFields):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     # As on jobs; inside an extraction only greedy answers draft.
     speculation: Speculation | None = None
+    cache: bool = Field(True, description=CACHE)
     questions: list[ExtractionQuestion] | None = Field(None, min_length=1, max_length=MAX_QUESTIONS)
     fields: dict[QuestionId, Text] | None = Field(None, min_length=1, max_length=MAX_QUESTIONS)
 
@@ -287,6 +293,15 @@ class WarmResult(BaseModel):
     yielded: int = 0
 
 
+class ResultKey(BaseModel):
+    """Where a job's result is stored to answer identical requests (shared/result_cache.py)."""
+
+    digest: str
+    # What decides output besides the request (model, context, chunking, engine), as the API
+    # saw it: a worker whose own differs does not store its result under this digest.
+    identity: str
+
+
 class WorkOrder(BaseModel):
     """What a worker needs to run a generation job; stored in the job record by the API."""
 
@@ -303,6 +318,8 @@ class WorkOrder(BaseModel):
     # The document the prompt was rendered from: workers record its use, and the warmer
     # re-warms documents that are used often (rendering them again for whatever model runs).
     document: DocumentFields | None = None
+    # None: the result is not stored (not greedy or seeded, or the request said `cache: false`).
+    result_key: ResultKey | None = None
 
 
 class ExtractOrder(BaseModel):
@@ -318,6 +335,7 @@ class ExtractOrder(BaseModel):
     stop: list[str]
     cache_namespace: str | None = None
     speculation: Speculation = "off"
+    result_key: ResultKey | None = None
 
 
 class SpeculationReport(BaseModel):
@@ -357,6 +375,8 @@ class Usage(BaseModel):
     completion_tokens: int = 0
     # Completion tokens an earlier attempt streamed before its worker died, taken as given.
     resumed_tokens: int = 0
+    # Answered from the stored result of an identical earlier request: nothing was computed.
+    cached_result: bool = False
 
 
 class Timings(BaseModel):

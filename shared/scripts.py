@@ -100,6 +100,23 @@ return 1
 """
 
 
+# KEYS: result entry, result index. ARGV: entry json, ttl_s, now, max entries, digest, entry
+# key prefix. Stores one result and trims the index: entries unused for ttl_s have expired,
+# and beyond max entries the least recently used go.
+_RECORD_RESULT = """
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+local now = tonumber(ARGV[3])
+redis.call('ZADD', KEYS[2], now, ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. (now - tonumber(ARGV[2])))
+local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
+if over > 0 then
+  local gone = redis.call('ZPOPMIN', KEYS[2], over)
+  for i = 1, #gone, 2 do redis.call('DEL', ARGV[6] .. gone[i]) end
+end
+return 1
+"""
+
+
 class Scripts:
     """Registered once per connection; calls run by SHA (EVALSHA)."""
 
@@ -109,6 +126,7 @@ class Scripts:
         self._finish = redis.register_script(_FINISH)
         self._cancel = redis.register_script(_CANCEL)
         self._requeue = redis.register_script(_REQUEUE)
+        self._record_result = redis.register_script(_RECORD_RESULT)
 
     def start(self, keys: tuple[str, str], now_s: float) -> int:
         return int(self._start(keys=list(keys), args=[now_s]))
@@ -142,3 +160,16 @@ class Scripts:
 
     def requeue(self, job_key: str, progress: str) -> bool:
         return bool(self._requeue(keys=[job_key], args=[progress]))
+
+    def record_result(
+        self,
+        keys: tuple[str, str],
+        entry: bytes,
+        ttl_s: int,
+        now_s: float,
+        max_entries: int,
+        digest: str,
+        prefix: str,
+    ) -> None:
+        args: list[bytes | str | int | float] = [entry, ttl_s, now_s, max_entries, digest, prefix]
+        self._record_result(keys=list(keys), args=args)

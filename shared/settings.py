@@ -106,6 +106,21 @@ class CacheSettings(BaseModel):
     min_tokens: int = Field(32, ge=1)
 
 
+class ResultCacheSettings(BaseModel):
+    """Finished results answering identical requests again (shared/result_cache.py)."""
+
+    # Only greedy or explicitly seeded requests are answered from it; `cache: false` on a
+    # request bypasses it both ways.
+    enabled: bool = True
+    # From when the result was recorded; a used entry is not kept longer.
+    ttl_s: int = Field(3_600, gt=0)
+    # Entries beyond this go, least recently used first.
+    max_entries: int = Field(10_000, ge=1)
+    # A larger result (its events and record) is not stored: the store is bounded by
+    # max_entries x this.
+    max_entry_bytes: int = Field(1024**2, ge=1024)
+
+
 class WarmSpec(BaseModel):
     """A declared prefix family: documents introduced the same way as real requests do."""
 
@@ -163,6 +178,7 @@ class Settings(BaseSettings):
     worker: WorkerSettings = WorkerSettings()
     jobs: JobSettings = JobSettings()
     cache: CacheSettings = CacheSettings()
+    result_cache: ResultCacheSettings = ResultCacheSettings()
     warmer: WarmerSettings = WarmerSettings()
 
     @field_validator("api_keys", mode="before")

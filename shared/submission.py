@@ -13,11 +13,12 @@ import uuid
 from llama_cpp import Llama
 from redis import Redis
 
-from shared import codec, documents, keys
+from shared import codec, documents, keys, result_cache
 from shared.errors import ContextOverflow, IdempotencyConflict, InvalidRequest
 from shared.job_store import JobStore
 from shared.llm import document_prompts, render_prompt, render_warm, tokenize
 from shared.queues import RUN_EXTRACT, RUN_JOB, enqueue, queue
+from shared.result_cache import ResultCache
 from shared.schemas import (
     DocumentFields,
     DocumentReport,
@@ -111,11 +112,19 @@ def extract_order_for(
 
 
 class Submitter:
-    def __init__(self, redis: Redis, store: JobStore, tokenizer: Llama, settings: Settings) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        store: JobStore,
+        tokenizer: Llama,
+        settings: Settings,
+        results: ResultCache | None = None,
+    ) -> None:
         self._redis = redis
         self._store = store
         self._tokenizer = tokenizer
         self._settings = settings
+        self._results = results
         # Rendering and tokenizing a long prompt holds a core; bound how many run at once.
         self._tokenizing = threading.BoundedSemaphore(settings.api.tokenize_concurrency)
         self._longest_token = longest_token_bytes(tokenizer)
@@ -138,6 +147,7 @@ class Submitter:
         kind: JobKind = "extract" if isinstance(order, ExtractOrder) else "generate"
         if self._settings.cache.per_key and owner is not None:
             order = order.model_copy(update={"cache_namespace": owner})
+        order = self._keyed(order, request)
         job_id = uuid.uuid4().hex
         report = None if document is None else document[1]
         view = self._store.create(job_id, queue_name, order, owner, kind=kind, document=report)
@@ -145,9 +155,30 @@ class Submitter:
             existing = self._deduplicate(job_id, request, owner, idempotency_key)
             if existing is not None:
                 return self._store.get(existing)
+        stored = self._stored_result(order)
+        if stored is not None:  # finished now: no worker needed
+            result_cache.answer(self._store, job_id, view.created_at, stored)
+            return self._store.get(job_id)
         function = RUN_EXTRACT if kind == "extract" else RUN_JOB
         enqueue(self._redis, queue_name, function, job_id, self._settings)
         return view
+
+    def _keyed(
+        self, order: WorkOrder | ExtractOrder, request: JobRequest | ExtractionRequest
+    ) -> WorkOrder | ExtractOrder:
+        """The order with its result-store key, if it has one: its worker stores the result
+        under it, and an identical request later finds it."""
+        if self._results is None:
+            return order
+        wanted, seeded = request.cache, request.seed is not None
+        key = self._results.key_for(order, explicit_seed=seeded, wanted=wanted)
+        return order if key is None else order.model_copy(update={"result_key": key})
+
+    def _stored_result(self, order: WorkOrder | ExtractOrder) -> result_cache.Entry | None:
+        """The result an identical earlier request left in the store, if any."""
+        if self._results is None or order.result_key is None:
+            return None
+        return self._results.lookup(order.result_key)
 
     def warm_item(self, item: WarmItem) -> WarmItem:
         """The item as it will be warmed (document normalised, as requests normalise it),

@@ -64,6 +64,9 @@ def settings_factory(redis_url: str, tmp_path: Path) -> Callable[..., Settings]:
             "n_ctx": 1024,
             "cache": {"dir": tmp_path / "kv"},
             "worker": {"heartbeat_ttl_s": 3, "maintenance_interval_s": 1},
+            # Tests repeat requests to see what the worker does with them: answering them from
+            # the result store is tested on its own (test_result_cache.py).
+            "result_cache": {"enabled": False},
         }
         for name, value in overrides.items():
             base = values.get(name)

@@ -49,6 +49,8 @@ class Generation:
     # Where the prompt's declared shared prefix (a document) ends, if it has one.
     prefix_tokens: int | None = None
     speculation: SpeculationReport | None = None
+    # False: the output may depend on what ran beside it (worker/conclave/streams.py Ended).
+    reproducible: bool = True
 
 
 @dataclass(frozen=True, slots=True)

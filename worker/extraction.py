@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from llama_cpp import Llama
 
@@ -41,6 +41,8 @@ class Extracted:
     timings: Timings
     prefix_tokens: int
     speculation: SpeculationReport | None
+    # False: an answer may depend on what ran beside it (worker/conclave/streams.py Ended).
+    reproducible: bool = True
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Answering:
     streams: list[TextStream] = field(init=False)
     answers: dict[str, Answer] = field(init=False)
     cancelled: bool = False
+    drifted: bool = False  # see Extracted.reproducible
 
     def __post_init__(self) -> None:
         llama, stop = self.llama, self.order.stop
@@ -134,7 +137,7 @@ def extract(
     outcome = extraction_outcome(
         order, answering, prefix, tails, cached, started, prefilled, streamed
     )
-    return Extracted(outcome.result, outcome.usage, outcome.timings, len(prefix), report)
+    return replace(outcome, speculation=report)
 
 
 def extraction_outcome(
@@ -162,7 +165,7 @@ def extraction_outcome(
     )
     first = min((a.timings.ttft_ms for a in answers.values() if a.timings.ttft_ms), default=None)
     timings = Timings(prefill_ms=(prefilled - started) * 1000, ttft_ms=first)
-    return Extracted(result, usage, timings, len(prefix), None)
+    return Extracted(result, usage, timings, len(prefix), None, not answering.drifted)
 
 
 def _decode(

@@ -12,6 +12,7 @@ from shared.models import resolve_model
 from shared.prefix_cache import CounterPublisher, PrefixCache, model_fingerprint, open_cache
 from shared.redis_outage import RedisWaiter
 from shared.redis_server import connect
+from shared.result_cache import open_results
 from shared.settings import Settings
 from shared.warm_runs import WarmRuns
 from worker import tasks
@@ -102,7 +103,8 @@ def run_worker(settings: Settings) -> None:
     counters = CounterPublisher(redis, engine.cache) if engine.cache is not None else None
     interval_s = settings.worker.stream_interval_ms / 1000
     warm_runs = WarmRuns(redis, store, settings)
-    runtime = tasks.Runtime(engine, redis, store, warm_runs, interval_s, waiter, counters)
+    results = open_results(redis, settings)
+    runtime = tasks.Runtime(engine, redis, store, warm_runs, interval_s, waiter, counters, results)
     tasks.bind(runtime)
     try:
         worker = waiter.call(lambda: _rq_worker(redis, settings, waiter, engine))

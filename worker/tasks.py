@@ -22,12 +22,14 @@ from shared.prefix_cache import CounterPublisher
 from shared.prefix_usage import PrefixUsage
 from shared.queues import QUEUES, queue
 from shared.redis_outage import REDIS_DOWN, RedisWaiter
+from shared.result_cache import ResultCache, entry_of
 from shared.schemas import (
     DocumentFields,
     ExtractionResult,
     ExtractOrder,
     JobResult,
     JobStatus,
+    ResultKey,
     SpeculationReport,
     Timings,
     Usage,
@@ -61,6 +63,7 @@ class Runtime:
         stream_interval_s: float,
         waiter: RedisWaiter,
         counters: CounterPublisher | None = None,
+        results: ResultCache | None = None,
     ) -> None:
         self.engine = engine
         self._redis = redis
@@ -71,6 +74,7 @@ class Runtime:
         self._usage = PrefixUsage(redis)
         self._stream_interval_s = stream_interval_s
         self._counters = counters
+        self._results = results
 
     def run(self, job_id: str) -> None:
         """A generation job: one prompt, one answer."""
@@ -86,6 +90,7 @@ class Runtime:
             generation.timings,
             generation.result,
             generation.speculation,
+            self._storable(order.result_key, generation.reproducible, generation.speculation),
         )
         if order.document is not None and generation.prefix_tokens is not None:
             record = partial(
@@ -104,7 +109,10 @@ class Runtime:
             return
         order, done = outcome
         cancelled = any(a.finish_reason == "cancelled" for a in done.result.answers.values())
-        self._finish(job_id, cancelled, done.usage, done.timings, done.result, done.speculation)
+        key = self._storable(order.result_key, done.reproducible, done.speculation)
+        self._finish(
+            job_id, cancelled, done.usage, done.timings, done.result, done.speculation, key
+        )
         self._waiter.call(
             lambda: self._record_prefix_use(
                 order.document, order.cache_namespace, done.usage, done.prefix_tokens
@@ -168,8 +176,11 @@ class Runtime:
         timings: Timings,
         result: JobResult | ExtractionResult,
         speculation: SpeculationReport | None = None,
+        result_key: ResultKey | None = None,
     ) -> None:
-        record = partial(self._record, job_id, cancelled, usage, timings, result, speculation)
+        record = partial(
+            self._record, job_id, cancelled, usage, timings, result, speculation, result_key
+        )
         self._waiter.call(record)
 
     def _record(
@@ -180,8 +191,10 @@ class Runtime:
         timings: Timings,
         result: JobResult | ExtractionResult,
         speculation: SpeculationReport | None,
+        result_key: ResultKey | None,
     ) -> None:
-        """The finish script ends a job once; repeating this after a failure re-stores nothing."""
+        """The finish script ends a job once; repeating this after a failure re-stores nothing
+        (storing its result again writes the same entry)."""
         view = self.store.get(job_id)
         queued_ms = ((view.started_at or view.created_at) - view.created_at) * 1000
         timings = timings.model_copy(update={"queued_ms": queued_ms})
@@ -195,11 +208,37 @@ class Runtime:
             usage=usage,
             timings=timings,
         )
+        # A resumed job's tokens came from two attempts: correct, but not stored as a run.
+        if result_key is not None and not cancelled and not usage.resumed_tokens:
+            self._store_result(job_id, result_key, result, usage)
         record_job(self._redis, usage, timings)
         if speculation is not None:
             record_speculation(self._redis, speculation)
         if self._counters is not None:
             self._counters.publish()
+
+    def _storable(
+        self, key: ResultKey | None, reproducible: bool, speculation: SpeculationReport | None
+    ) -> ResultKey | None:
+        """The key to store a finished run under; None when its output may not be what a run
+        of the same request gives: tokens decided beside other rows (a busy Conclave without
+        exactness for them), or drafted without tie replays (decided by timing)."""
+        speculator = self.engine.speculator
+        inexact_drafting = speculator is not None and not speculator.exact
+        if inexact_drafting and speculation is not None and speculation.drafted > 0:
+            return None
+        return key if reproducible else None
+
+    def _store_result(
+        self, job_id: str, key: ResultKey, result: JobResult | ExtractionResult, usage: Usage
+    ) -> None:
+        """Only a job the finish script left `finished` (not cancelled or failed meanwhile)."""
+        if self._results is None:
+            return
+        events = self.store.finished_events(job_id)
+        entry = None if events is None else entry_of(events, result, usage)
+        if entry is not None:
+            self._results.record(key, entry)
 
     def _record_prefix_use(
         self,

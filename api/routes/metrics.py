@@ -33,6 +33,11 @@ from shared.schemas import WarmTrigger
 router = APIRouter(tags=["metrics"])
 
 JOB_STATUSES = ("finished", "failed", "cancelled")
+RESULT_CACHE_COUNTERS = {
+    "result_cache_hits": "Requests answered from a stored identical request's result",
+    "result_cache_misses": "Greedy or seeded requests with no stored result",
+    "result_cache_stored": "Finished results stored to answer identical requests",
+}
 
 
 class GranaryCollector(Collector):
@@ -81,6 +86,8 @@ class GranaryCollector(Collector):
             yield CounterMetricFamily(
                 f"granary_{name}", name.replace("_", " "), value=counters.get(name, 0)
             )
+        for name, text in RESULT_CACHE_COUNTERS.items():
+            yield CounterMetricFamily(f"granary_{name}", text, value=counters.get(name, 0))
         for name in job_metrics.TOKEN_COUNTERS:
             yield CounterMetricFamily(
                 f"granary_{name}", f"{name.replace('_', ' ')}", value=counters.get(name, 0)

@@ -193,9 +193,12 @@ def _finish_reason(view: JobView) -> str:
 
 def _usage(view: JobView) -> dict[str, Any]:
     usage = view.usage
-    return {
+    fields: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if usage.cached_result:  # granary's own: answered from an identical request's result
+        fields["cached_result"] = True
+    return fields

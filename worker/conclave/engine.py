@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from llama_cpp import Llama
 
@@ -136,7 +137,8 @@ class ConclaveEngine:
             }
         )
         timings = decoded.timings(started, begun.prefill_started, begun.restore_ms)
-        return _generation(decoded, usage, boundary, timings)
+        generation = _generation(decoded, usage, boundary, timings)
+        return replace(generation, reproducible=not ended.drifted)
 
     def warm(self, order: WarmOrder, should_stop: Callable[[], bool]) -> WarmResult:
         """Compute a prefix into the cache (see Engine.warm), at the lowest priority."""

@@ -76,6 +76,7 @@ class _Stream:
     generated: int = 0
     exact_until: int = 0  # cells below this were computed as a lone run computes them
     replays: int = 0
+    drifted: bool = False  # see Ended.drifted
     passed_over: int = 0
     rng: np.random.Generator | None = None
 
@@ -346,6 +347,8 @@ class Conclave:
             if self._exact and batched and greedy and is_near_tie(logits, TIE_MARGIN):
                 ties.append(stream)
                 continue
+            if batched and not (self._exact and greedy):
+                stream.drifted = True
             if alone and stream.exact_until == stream.pos:
                 stream.exact_until += 1
             self._take(stream, logits)
@@ -390,7 +393,7 @@ class Conclave:
     def _end(self, stream: _Stream, reason: EndReason | None) -> None:
         """Finish a stream; its sequence stays resident for reuse. `None`: already said."""
         if reason is not None:
-            stream.handle.put(Ended(reason, stream.pos, stream.replays))
+            stream.handle.put(Ended(reason, stream.pos, stream.replays, stream.drifted))
         if stream.resident is not None:
             self._memory.release(stream.resident)
         self._forget_stream(stream)

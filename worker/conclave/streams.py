@@ -90,6 +90,10 @@ class Ended:
     reason: EndReason
     position: int = 0  # cells the sequence held when it ended
     replays: int = 0  # near-tie replays the stream needed (exact batching)
+    # A token was sampled from logits computed beside other rows and not decided again as a
+    # lone run would (a sampled row, or any row without exact batching): the output may
+    # depend on what ran beside it, so it is not stored as the request's result.
+    drifted: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,8 @@ class Speculator:
         self._fingerprint = fingerprint
         # Margin under which a greedy row decided in a batch is decided again alone.
         self.tie_margin = TIE_MARGIN if exact else 0.0
+        # False: drafting's output depends on when it drafted (not stored as a result).
+        self.exact = exact
 
     @contextmanager
     def drafting(self, prompts: list[list[int]], mode: Speculation) -> Iterator[Drafting]:
