@@ -6,6 +6,7 @@ Everything that can be wrong with a request is found here, before anything reach
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import threading
 import uuid
@@ -13,11 +14,12 @@ import uuid
 from llama_cpp import Llama
 from redis import Redis
 
-from shared import codec, documents, keys
+from shared import codec, documents, keys, routing
 from shared.errors import ContextOverflow, IdempotencyConflict, InvalidRequest
 from shared.job_store import JobStore
 from shared.llm import document_prompts, render_prompt, render_warm, tokenize
-from shared.queues import RUN_EXTRACT, RUN_JOB, enqueue, queue
+from shared.prefix_usage import document_prefix_id
+from shared.queues import ROUTED, RUN_EXTRACT, RUN_JOB, enqueue, queue
 from shared.schemas import (
     DocumentFields,
     DocumentReport,
@@ -32,6 +34,8 @@ from shared.schemas import (
     WorkOrder,
 )
 from shared.settings import Settings
+
+log = logging.getLogger(__name__)
 
 DOCUMENT_FIELDS = set(DocumentFields.model_fields)
 
@@ -119,6 +123,7 @@ class Submitter:
         # Rendering and tokenizing a long prompt holds a core; bound how many run at once.
         self._tokenizing = threading.BoundedSemaphore(settings.api.tokenize_concurrency)
         self._longest_token = longest_token_bytes(tokenizer)
+        self._routing = routing.Routing(redis) if settings.routing.enabled else None
 
     def submit(
         self,
@@ -146,8 +151,24 @@ class Submitter:
             if existing is not None:
                 return self._store.get(existing)
         function = RUN_EXTRACT if kind == "extract" else RUN_JOB
-        enqueue(self._redis, queue_name, function, job_id, self._settings)
+        fields = order.document
+        if self._routing is None or fields is None or queue_name not in ROUTED:
+            enqueue(self._redis, queue_name, function, job_id, self._settings)
+            return view
+        prefix = document_prefix_id(fields, order.cache_namespace)
+        self._enqueue_routed(queue_name, function, job_id, prefix)
         return view
+
+    def _enqueue_routed(self, queue_name: str, function: str, job_id: str, prefix: str) -> None:
+        """Enqueue, and in the same transaction move the job to the private list of the live
+        worker whose memory holds its document, if one has room (shared/routing.py)."""
+        assert self._routing is not None
+        with self._redis.pipeline() as pipe:
+            enqueue(self._redis, queue_name, function, job_id, self._settings, pipeline=pipe)
+            self._routing.route(pipe, queue_name, job_id, prefix)
+            owner = pipe.execute()[-1]
+        if owner:
+            log.debug("job %s goes to worker %s, which holds its document", job_id, owner.decode())
 
     def warm_item(self, item: WarmItem) -> WarmItem:
         """The item as it will be warmed (document normalised, as requests normalise it),
@@ -229,6 +250,7 @@ class Submitter:
         """Cancel; a queued job also leaves its rq queue, so queue depth stays true."""
         view = self._store.cancel(job_id, owner)
         queue(self._redis, view.queue).remove(job_id)
+        routing.unqueue(self._redis, view.queue, job_id)
         return view
 
     def _deduplicate(

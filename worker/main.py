@@ -118,5 +118,12 @@ def _rq_worker(
 ) -> GranaryWorker:
     if isinstance(engine, ConclaveEngine):
         conclave = engine.conclave
-        return ConclaveWorker(redis, settings.worker, waiter, conclave.free_sequences)
-    return GranaryWorker(redis, settings.worker, waiter)
+        return ConclaveWorker(
+            redis,
+            settings.worker,
+            settings.routing,
+            waiter,
+            conclave.free_sequences,
+            conclave.held_documents,
+        )
+    return GranaryWorker(redis, settings.worker, settings.routing, waiter)

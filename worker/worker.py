@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Sequence
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -23,12 +24,17 @@ from rq.job import Job
 from rq.timeouts import TimerDeathPenalty
 from rq.worker import WorkerStatus
 
+from shared import keys, routing
 from shared.codec import JsonSerializer
-from shared.queues import QUEUES, WARM, queue
+from shared.queues import BATCH, INTERACTIVE, QUEUES, ROUTED, WARM, queue
 from shared.redis_outage import REDIS_DOWN, RedisWaiter, describe
-from shared.settings import WorkerSettings
+from shared.settings import RoutingSettings, WorkerSettings
 
 log = logging.getLogger(__name__)
+
+# How often a Conclave worker advertises for routing and sweeps routed jobs nobody took: its
+# dequeue loop wakes at least every second.
+TICK_S = 0.5
 
 
 class _Heartbeat:
@@ -67,11 +73,19 @@ class GranaryWorker(SimpleWorker):
     would load the model again: here each step of the loop waits out an outage instead."""
 
     def __init__(
-        self, redis: Redis, settings: WorkerSettings, waiter: RedisWaiter, **kwargs: Any
+        self,
+        redis: Redis,
+        settings: WorkerSettings,
+        routing_settings: RoutingSettings,
+        waiter: RedisWaiter,
+        queue_names: Sequence[str] = QUEUES,
+        **kwargs: Any,
     ) -> None:
-        queues = [queue(redis, name) for name in QUEUES]
+        queues = [queue(redis, name) for name in queue_names]
         self._heartbeat_ttl_s = settings.heartbeat_ttl_s
         self._waiter = waiter
+        self._routing = routing.Routing(redis)
+        self._wait_s = routing_settings.wait_s
         super().__init__(
             queues,
             connection=redis,
@@ -106,6 +120,13 @@ class GranaryWorker(SimpleWorker):
 
     def run_maintenance_tasks(self) -> None:
         self._waiter.call(super().run_maintenance_tasks)
+        self._waiter.call(self._tend_routing)
+
+    def _tend_routing(self) -> None:
+        # Every worker does this, so jobs routed to a worker that died never wait for a
+        # Conclave worker (which also sweeps about every second) to move them.
+        self._routing.sweep(self._wait_s)
+        routing.tidy(self.connection)
 
     def dequeue_job_and_maintain_ttl(
         self, timeout: int | None, max_idle_time: int | None = None
@@ -184,16 +205,26 @@ class ConclaveWorker(GranaryWorker):
         self,
         redis: Redis,
         settings: WorkerSettings,
+        routing_settings: RoutingSettings,
         waiter: RedisWaiter,
         free_sequences: Callable[[], int],
+        held_documents: Callable[[], frozenset[str]],
         **kwargs: Any,
     ) -> None:
-        super().__init__(redis, settings, waiter, **kwargs)
+        name = kwargs.pop("name", None) or uuid.uuid4().hex
+        self._routes = routing_settings.enabled
+        # Within each class, what was routed here goes first (shared/routing.py).
+        self._private = [routing.private_queue(q, name) for q in ROUTED] if self._routes else []
+        names = [*self._private[:1], INTERACTIVE, *self._private[1:], BATCH, WARM]
+        super().__init__(redis, settings, routing_settings, waiter, names, name=name, **kwargs)
         self._max_active = settings.max_active_jobs
         self._free_sequences = free_sequences
+        self._held_documents = held_documents
         self._active: dict[str, tuple[threading.Thread, str]] = {}
         self._changed = threading.Condition()
         self._all_queues = list(self._ordered_queues)
+        self._shared = {q.name: q for q in self._all_queues if q.name in QUEUES}
+        self._ticked_at = 0.0
 
     @property
     def active_jobs(self) -> int:
@@ -244,16 +275,60 @@ class ConclaveWorker(GranaryWorker):
             # jobs run (the worker is busy, so rq only sets a flag) must end it too.
             result = super().dequeue_job_and_maintain_ttl(wait, wait)
             if result is not None:
-                return result
+                return self._as_shared(*result)
+        self._withdraw()
         return None
 
     def _wait_for_room(self) -> None:
-        with self._changed:
-            while not self._stop_requested and not self._has_room():
+        while True:
+            self._tick()  # outside the lock: a job thread that ends must not wait for Redis
+            with self._changed:
+                if self._stop_requested or self._has_room():
+                    return
                 self._changed.wait(timeout=1.0)
 
+    def _room(self) -> int:
+        return max(0, min(self._max_active - len(self._active), self._free_sequences()))
+
     def _has_room(self) -> bool:
-        return len(self._active) < self._max_active and self._free_sequences() > 0
+        return self._room() > 0
+
+    def _tick(self) -> None:
+        """About every second: advertise what memory holds and the room left; hand back
+        routed jobs that waited too long for any worker."""
+        now = time.monotonic()
+        if now - self._ticked_at < TICK_S:
+            return
+        self._ticked_at = now
+        try:
+            if self._routes:
+                held = self._held_documents()
+                self._routing.advertise(self.name, held, self._room(), self._private)
+            self._routing.sweep(self._wait_s)
+        except REDIS_DOWN as exc:  # the dequeue waits the outage out; this tries again then
+            self._waiter.failed(exc)
+
+    def _as_shared(self, job: Job, queue: Queue) -> tuple[Job, Queue]:
+        """A job taken from a private list runs as its shared queue's: rq's started registry,
+        retries and re-queues use the queue a job runs under."""
+        shared = self._shared.get(job.origin)
+        if shared is None or queue.name == shared.name:
+            return job, queue
+        try:
+            member = routing.routed_member(queue.name, job.id)
+            self.connection.zrem(keys.routed(), member)
+        except REDIS_DOWN as exc:  # a sweep drops the entry once it finds the job gone
+            self._waiter.failed(exc)
+        return job, shared
+
+    def _withdraw(self) -> None:
+        """Stopping: nothing more is routed here, and what waits here goes back in front."""
+        if not self._routes:
+            return
+        self._routes = False
+        moved = self._waiter.call(lambda: self._routing.withdraw(self.name, ROUTED))
+        if moved:
+            log.info("worker %s hands %d routed jobs back to the shared queues", self.name, moved)
 
     def set_state(self, state: str, pipeline: Pipeline | None = None) -> None:
         # rq marks the worker idle around every dequeue; with jobs running it is busy.
@@ -263,6 +338,7 @@ class ConclaveWorker(GranaryWorker):
 
     def teardown(self) -> None:
         """A warm shutdown lets every running job finish first."""
+        self._withdraw()
         for thread, _ in list(self._active.values()):
             thread.join()
         super().teardown()
