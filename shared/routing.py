@@ -10,6 +10,8 @@ that worker has room, the job goes onto the worker's private list for its class 
 rq stays the queue. The job is enqueued on its shared queue as always, so its `origin` and with
 it its started and failed registries, retries and the re-run after a kill -9 are the shared
 queue's; in the same transaction its id moves from the shared list's tail to the private list.
+Private lists are not registered as rq queues (a worker only dequeues from them), so `rq info`
+shows what it showed before; `/metrics` counts them in the queue depth.
 A routed job its worker has not taken within `routing.wait_s`, or whose worker stopped
 advertising, goes to the front of the shared queue, moved by any worker with one script that
 takes it from the private list only if it is still there: never lost, never run twice.
@@ -24,8 +26,7 @@ from collections.abc import Iterable, Sequence
 
 from redis import Redis
 from redis.client import Pipeline
-from rq import Queue, Worker
-from rq.worker_registration import WORKERS_BY_QUEUE_KEY
+from rq import Queue
 
 from shared import keys
 
@@ -137,41 +138,35 @@ def routed_member(private: str, job_id: str) -> str:
     return f"{private} {job_id}"
 
 
-def private_queue_keys(redis: Redis, shared: str | None = None) -> list[str]:
-    """Keys of the private lists rq lists (every routing worker registers its own), of one
-    shared queue or all."""
-    members: set[bytes] = redis.smembers(Queue.redis_queues_keys)  # type: ignore[assignment]
-    start = QUEUE_PREFIX + (f"{shared}{PRIVATE_MARK}" if shared else "")
-    found = (m.decode() for m in members)
-    return sorted(k for k in found if k.startswith(start) and PRIVATE_MARK in k)
+def _routed_here(redis: Redis, shared: str) -> list[str]:
+    """Members of the routed set for jobs of one shared queue."""
+    members: list[bytes] = redis.zrange(keys.routed(), 0, -1)  # type: ignore[assignment]
+    start = f"{shared}{PRIVATE_MARK}"
+    return [m.decode() for m in members if m.decode().startswith(start)]
 
 
 def waiting(redis: Redis, shared: str) -> int:
-    """Jobs of one class waiting in workers' private lists (queue depth counts them too)."""
-    lists = private_queue_keys(redis, shared)
+    """Jobs of one class waiting in workers' private lists (queue depth counts them too).
+
+    Every job in a private list has its entry in the routed set (both are written together),
+    so the lists named there are all of them; an entry can outlive its job briefly, so the
+    lists themselves are counted."""
+    lists = sorted({m.partition(" ")[0] for m in _routed_here(redis, shared)})
     if not lists:
         return 0
     with redis.pipeline(transaction=False) as pipe:
-        for key in lists:
-            pipe.llen(key)
+        for name in lists:
+            pipe.llen(QUEUE_PREFIX + name)
         return sum(pipe.execute())
 
 
 def unqueue(redis: Redis, shared: str, job_id: str) -> None:
-    """Take a cancelled job out of whichever private list holds it."""
-    for key in private_queue_keys(redis, shared):
-        redis.lrem(key, 0, job_id)
-
-
-def tidy(redis: Redis) -> None:
-    """Forget the empty private queues of workers gone for good (rq lists them until then)."""
-    for key in private_queue_keys(redis):
-        name = key.removeprefix(QUEUE_PREFIX)
-        owner = name.partition(PRIVATE_MARK)[2]
-        gone = not redis.exists(Worker.redis_worker_namespace_prefix + owner)
-        if gone and redis.llen(key) == 0:
-            redis.srem(Queue.redis_queues_keys, key)
-            redis.delete(WORKERS_BY_QUEUE_KEY % name)
+    """Take a cancelled job out of the private list holding it, if one does."""
+    for member in _routed_here(redis, shared):
+        private, _, routed_id = member.partition(" ")
+        if routed_id == job_id:
+            redis.lrem(QUEUE_PREFIX + private, 0, job_id)
+            redis.zrem(keys.routed(), member)
 
 
 class Routing:

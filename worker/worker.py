@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -26,7 +26,7 @@ from rq.worker import WorkerStatus
 
 from shared import keys, routing
 from shared.codec import JsonSerializer
-from shared.queues import BATCH, INTERACTIVE, QUEUES, ROUTED, WARM, queue
+from shared.queues import QUEUES, ROUTED, WARM, queue
 from shared.redis_outage import REDIS_DOWN, RedisWaiter, describe
 from shared.settings import RoutingSettings, WorkerSettings
 
@@ -78,10 +78,9 @@ class GranaryWorker(SimpleWorker):
         settings: WorkerSettings,
         routing_settings: RoutingSettings,
         waiter: RedisWaiter,
-        queue_names: Sequence[str] = QUEUES,
         **kwargs: Any,
     ) -> None:
-        queues = [queue(redis, name) for name in queue_names]
+        queues = [queue(redis, name) for name in QUEUES]
         self._heartbeat_ttl_s = settings.heartbeat_ttl_s
         self._waiter = waiter
         self._routing = routing.Routing(redis)
@@ -126,7 +125,6 @@ class GranaryWorker(SimpleWorker):
         # Every worker does this, so jobs routed to a worker that died never wait for a
         # Conclave worker (which also sweeps about every second) to move them.
         self._routing.sweep(self._wait_s)
-        routing.tidy(self.connection)
 
     def dequeue_job_and_maintain_ttl(
         self, timeout: int | None, max_idle_time: int | None = None
@@ -212,19 +210,29 @@ class ConclaveWorker(GranaryWorker):
         **kwargs: Any,
     ) -> None:
         name = kwargs.pop("name", None) or uuid.uuid4().hex
-        self._routes = routing_settings.enabled
-        # Within each class, what was routed here goes first (shared/routing.py).
-        self._private = [routing.private_queue(q, name) for q in ROUTED] if self._routes else []
-        names = [*self._private[:1], INTERACTIVE, *self._private[1:], BATCH, WARM]
-        super().__init__(redis, settings, routing_settings, waiter, names, name=name, **kwargs)
+        super().__init__(redis, settings, routing_settings, waiter, name=name, **kwargs)
         self._max_active = settings.max_active_jobs
         self._free_sequences = free_sequences
         self._held_documents = held_documents
         self._active: dict[str, tuple[threading.Thread, str]] = {}
         self._changed = threading.Condition()
-        self._all_queues = list(self._ordered_queues)
-        self._shared = {q.name: q for q in self._all_queues if q.name in QUEUES}
+        self._shared = {q.name: q for q in self._ordered_queues}
+        self._routes = routing_settings.enabled
+        # Within each class, what was routed here goes first (shared/routing.py). Only the
+        # dequeue reads the private lists: rq registers and reports the shared queues alone.
+        self._private = [routing.private_queue(q, name) for q in ROUTED] if self._routes else []
+        self._all_queues = self._listening_order()
         self._ticked_at = 0.0
+
+    def _listening_order(self) -> list[Queue]:
+        """interactive@me, interactive, batch@me, batch, warm (without routing: no private)."""
+        order = []
+        for name in QUEUES:
+            private = routing.private_queue(name, self.name)
+            if private in self._private:
+                order.append(queue(self.connection, private))
+            order.append(self._shared[name])
+        return order
 
     @property
     def active_jobs(self) -> int:

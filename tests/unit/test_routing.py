@@ -10,11 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from rq import Queue
 from rq.job import Job
 
 from shared import keys, routing
 from shared.codec import JsonSerializer
-from shared.queues import INTERACTIVE, RUN_JOB, enqueue, queue
+from shared.queues import INTERACTIVE, QUEUES, RUN_JOB, enqueue, queue
 from shared.redis_outage import RedisWaiter
 from shared.settings import RoutingSettings, Settings, WorkerSettings
 from worker.worker import ConclaveWorker
@@ -110,6 +111,16 @@ def test_a_dead_workers_routed_jobs_go_back_before_the_wait_is_over(client: redi
     assert shared_ids(client) == ["j1"]
 
 
+def test_a_cancelled_routed_job_leaves_its_private_list(client: redis.Redis) -> None:
+    advertise(client, "a", room=3, held=(PREFIX,))
+    advertise(client, "b", room=3)
+    submit(client, "j1")
+    submit(client, "j2")
+    routing.unqueue(client, INTERACTIVE, "j1")
+    assert private_ids(client, "a") == ["j2"]
+    assert routing.waiting(client, INTERACTIVE) == 1
+
+
 def test_a_stopping_worker_hands_its_jobs_back_in_order(client: redis.Redis) -> None:
     advertise(client, "a", room=3, held=(PREFIX,))
     advertise(client, "b", room=3)
@@ -128,7 +139,7 @@ def test_room_counts_what_already_waits_in_the_private_list(client: redis.Redis)
     submit(client, "j1")
     advertise(client, "a", room=2, held=(PREFIX,))
     assert client.get(keys.room("a")) == b"1"
-    assert routing.waiting(client, INTERACTIVE) == 0  # not listed until a worker registers it
+    assert routing.waiting(client, INTERACTIVE) == 1  # queue depth counts it
 
 
 def conclave_worker(client: redis.Redis, name: str, held: frozenset[str]) -> ConclaveWorker:
@@ -154,7 +165,8 @@ def test_a_conclave_worker_takes_its_routed_job_first_and_runs_it_as_the_shared_
     other._tick()
     enqueue(client, INTERACTIVE, RUN_JOB, "earlier", Settings())
     assert submit(client, "routed") == "holder"
-    assert routing.waiting(client, INTERACTIVE) == 1  # the worker's private queues are listed
+    # rq lists and reports the shared queues alone, as without routing.
+    assert {q.name for q in Queue.all(connection=client)} == set(QUEUES)
     job, job_queue = holder.dequeue_job_and_maintain_ttl(1, 1) or (None, None)
     assert job is not None and job_queue is not None
     assert (job.id, job_queue.name) == ("routed", INTERACTIVE)
