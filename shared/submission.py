@@ -168,7 +168,7 @@ class Submitter:
             self._routing.route(pipe, queue_name, job_id, prefix)
             owner = pipe.execute()[-1]
         if owner:
-            log.debug("job %s goes to worker %s, which holds its document", job_id, owner.decode())
+            log.debug("job %s goes to worker %s, which holds its document", job_id, owner)
 
     def warm_item(self, item: WarmItem) -> WarmItem:
         """The item as it will be warmed (document normalised, as requests normalise it),
