@@ -18,6 +18,7 @@ from shared.codec import JsonSerializer
 from shared.queues import INTERACTIVE, QUEUES, RUN_JOB, enqueue, queue
 from shared.redis_outage import RedisWaiter
 from shared.settings import RoutingSettings, Settings, WorkerSettings
+from worker.conclave.memory import Resident
 from worker.worker import ConclaveWorker
 
 PREFIX = "doc-1"
@@ -152,7 +153,7 @@ def conclave_worker(client: redis.Redis, name: str, held: frozenset[str]) -> Con
         held_documents=lambda: held,
         name=name,
     )
-    worker.register_birth()  # as rq's work loop does first
+    worker.register_birth()  # type: ignore[no-untyped-call]  # as rq's work loop does first
     return worker
 
 
@@ -171,5 +172,25 @@ def test_a_conclave_worker_takes_its_routed_job_first_and_runs_it_as_the_shared_
     assert job is not None and job_queue is not None
     assert (job.id, job_queue.name) == ("routed", INTERACTIVE)
     assert client.zcard(keys.routed()) == 0
+
+
+def test_a_conclave_worker_that_stops_hands_what_waits_for_it_back(client: redis.Redis) -> None:
+    holder = conclave_worker(client, "holder", frozenset({PREFIX}))
+    conclave_worker(client, "other", frozenset())._tick()
+    holder._tick()
+    assert [submit(client, j) for j in ("r1", "r2")] == ["holder", "holder"]
     holder._withdraw()
+    assert shared_ids(client) == ["r1", "r2"]
     assert client.get(keys.room("holder")) is None
+    holder._ticked_at = 0.0
+    holder._tick()  # a stopping worker advertises nothing more
+    assert client.get(keys.room("holder")) is None
+
+
+def test_memory_names_only_documents_it_holds_whole() -> None:
+    resident = Resident(seq=0, namespace=None, tokens=list(range(50)), prefilled=50)
+    resident.label(("short", 40))
+    resident.label(("long", 60))  # not all of it is in the cells yet
+    assert resident.documents == {"short": 40}
+    resident.keep_documents(39)  # cut below the prefix
+    assert resident.documents == {}
