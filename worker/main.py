@@ -125,5 +125,6 @@ def _rq_worker(
             waiter,
             conclave.free_sequences,
             conclave.held_documents,
+            conclave.held_changed,
         )
     return GranaryWorker(redis, settings.worker, settings.routing, waiter)

@@ -32,8 +32,8 @@ from shared.settings import RoutingSettings, WorkerSettings
 
 log = logging.getLogger(__name__)
 
-# How often a Conclave worker advertises for routing and sweeps routed jobs nobody took: its
-# dequeue loop wakes at least every second.
+# How often a Conclave worker advertises for routing and sweeps routed jobs nobody took (and at
+# once when what its memory holds, or its room, changes).
 TICK_S = 0.5
 
 
@@ -66,6 +66,42 @@ class _Heartbeat:
                 self._waiter.failed(exc)
             except Exception:  # a missed beat is retried; the job must go on
                 log.warning("heartbeat failed", exc_info=True)
+
+
+class _Ticker:
+    """Calls `tick` on a thread every `every_s` seconds, and at once whenever `wake` is set."""
+
+    def __init__(
+        self, tick: Callable[[], None], every_s: float, wake: threading.Event, waiter: RedisWaiter
+    ) -> None:
+        self._tick = tick
+        self._every_s = every_s
+        self._wake = wake
+        self._waiter = waiter
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="routing", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._every_s)
+            self._wake.clear()
+            if self._stopped:
+                return
+            try:
+                self._tick()
+            except REDIS_DOWN as exc:  # the next round tries again
+                self._waiter.failed(exc)
+            except Exception:  # routing is an optimisation: the worker goes on without it
+                log.warning("routing round failed", exc_info=True)
 
 
 class GranaryWorker(SimpleWorker):
@@ -207,6 +243,7 @@ class ConclaveWorker(GranaryWorker):
         waiter: RedisWaiter,
         free_sequences: Callable[[], int],
         held_documents: Callable[[], frozenset[str]],
+        held_changed: threading.Event,
         **kwargs: Any,
     ) -> None:
         name = kwargs.pop("name", None) or uuid.uuid4().hex
@@ -222,7 +259,10 @@ class ConclaveWorker(GranaryWorker):
         # dequeue reads the private lists: rq registers and reports the shared queues alone.
         self._private = [routing.private_queue(q, name) for q in ROUTED] if self._routes else []
         self._all_queues = self._listening_order()
-        self._ticked_at = 0.0
+        # Woken when memory's documents change and when a job starts or ends (room changes).
+        self._advertise_now = held_changed
+        self._ticker = _Ticker(self._tick, TICK_S, held_changed, waiter)
+        self._ticking = False
 
     def _listening_order(self) -> list[Queue]:
         """interactive@me, interactive, batch@me, batch, warm (without routing: no private)."""
@@ -250,6 +290,7 @@ class ConclaveWorker(GranaryWorker):
         with self._changed:
             self._active[execution.id] = (thread, queue.name)
         thread.start()
+        self._advertise_now.set()
 
     def _perform(self, job: Job, queue: Queue, execution: Any) -> None:
         try:
@@ -263,6 +304,7 @@ class ConclaveWorker(GranaryWorker):
                 del self._active[execution.id]
                 idle = not self._active
                 self._changed.notify_all()
+            self._advertise_now.set()
             if idle:  # so a stop request now ends the worker at once
                 self.set_state(WorkerStatus.IDLE)
 
@@ -271,6 +313,9 @@ class ConclaveWorker(GranaryWorker):
     ) -> tuple[Job, Queue] | None:
         """The next job once there is room; None once a stop is requested."""
         wait = timeout or 1
+        if not self._ticking:  # registered by now: start advertising
+            self._ticking = True
+            self._ticker.start()
         while not self._stop_requested:
             self._wait_for_room()
             if self._stop_requested:
@@ -288,11 +333,8 @@ class ConclaveWorker(GranaryWorker):
         return None
 
     def _wait_for_room(self) -> None:
-        while True:
-            self._tick()  # outside the lock: a job thread that ends must not wait for Redis
-            with self._changed:
-                if self._stop_requested or self._has_room():
-                    return
+        with self._changed:
+            while not self._stop_requested and not self._has_room():
                 self._changed.wait(timeout=1.0)
 
     def _room(self) -> int:
@@ -302,19 +344,12 @@ class ConclaveWorker(GranaryWorker):
         return self._room() > 0
 
     def _tick(self) -> None:
-        """About every second: advertise what memory holds and the room left; hand back
-        routed jobs that waited too long for any worker."""
-        now = time.monotonic()
-        if now - self._ticked_at < TICK_S:
-            return
-        self._ticked_at = now
-        try:
-            if self._routes:
-                held = self._held_documents()
-                self._routing.advertise(self.name, held, self._room(), self._private)
-            self._routing.sweep(self._wait_s)
-        except REDIS_DOWN as exc:  # the dequeue waits the outage out; this tries again then
-            self._waiter.failed(exc)
+        """Advertise what memory holds and the room left; hand back routed jobs that waited
+        too long for any worker (the ticker thread, every TICK_S and on changes)."""
+        if self._routes:
+            held = self._held_documents()
+            self._routing.advertise(self.name, held, self._room(), self._private)
+        self._routing.sweep(self._wait_s)
 
     def _as_shared(self, job: Job, queue: Queue) -> tuple[Job, Queue]:
         """A job taken from a private list runs as its shared queue's: rq's started registry,
@@ -331,6 +366,7 @@ class ConclaveWorker(GranaryWorker):
 
     def _withdraw(self) -> None:
         """Stopping: nothing more is routed here, and what waits here goes back in front."""
+        self._ticker.stop()  # first: a round running now would advertise room again
         if not self._routes:
             return
         self._routes = False

@@ -5,6 +5,7 @@ without a model (its room and memory are given)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -151,6 +152,7 @@ def conclave_worker(client: redis.Redis, name: str, held: frozenset[str]) -> Con
         RedisWaiter(client, logging.getLogger("test")),
         free_sequences=lambda: 4,
         held_documents=lambda: held,
+        held_changed=threading.Event(),
         name=name,
     )
     worker.register_birth()  # type: ignore[no-untyped-call]  # as rq's work loop does first
@@ -172,6 +174,7 @@ def test_a_conclave_worker_takes_its_routed_job_first_and_runs_it_as_the_shared_
     assert job is not None and job_queue is not None
     assert (job.id, job_queue.name) == ("routed", INTERACTIVE)
     assert client.zcard(keys.routed()) == 0
+    holder._withdraw()  # stops its routing thread too
 
 
 def test_a_conclave_worker_that_stops_hands_what_waits_for_it_back(client: redis.Redis) -> None:
@@ -182,7 +185,6 @@ def test_a_conclave_worker_that_stops_hands_what_waits_for_it_back(client: redis
     holder._withdraw()
     assert shared_ids(client) == ["r1", "r2"]
     assert client.get(keys.room("holder")) is None
-    holder._ticked_at = 0.0
     holder._tick()  # a stopping worker advertises nothing more
     assert client.get(keys.room("holder")) is None
 

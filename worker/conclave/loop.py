@@ -133,8 +133,10 @@ class Conclave:
         # new jobs looks at.
         self._committed = 0
         # What memory holds, as the worker advertises it: replaced whole by the model thread,
-        # so another thread reading it never sees one half-changed.
+        # so another thread reading it never sees one half-changed; `held_changed` is set
+        # each time, so the worker tells routing at once, not at its next round.
         self._held: frozenset[str] = frozenset()
+        self.held_changed = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="conclave", daemon=True)
         self._thread.start()
@@ -208,8 +210,14 @@ class Conclave:
         self._start_waiting()
         worked = self._prefill_one()
         worked = self._step() or worked
-        self._held = self._memory.documents()
+        self._note_held()
         return worked
+
+    def _note_held(self) -> None:
+        held = self._memory.documents()
+        if held != self._held:
+            self._held = held
+            self.held_changed.set()
 
     def _sweep(self) -> None:
         for stream in list(self._streams):
@@ -423,7 +431,7 @@ class Conclave:
             if stream.resident is not None:
                 self._memory.forget(stream.resident)
             self._forget_stream(stream)
-        self._held = self._memory.documents()
+        self._note_held()
 
     def _forget_stream(self, stream: _Stream) -> None:
         self._streams.remove(stream)
