@@ -65,6 +65,7 @@ class Row:
     from_memory: int
     memory_or_owner: int  # from memory, or on the worker that first read the document
     prefilled_tokens: int  # document and question tokens computed, over those questions
+    missed: tuple[tuple[int, int], ...]  # (round, document) of those not served from memory
 
 
 async def _ask(client: httpx.AsyncClient, url: str, doc: str, text: str) -> str:
@@ -128,6 +129,7 @@ def _row(routing: bool, answers: list[Answer]) -> Row:
         from_memory=sum(a.from_memory for a in later),
         memory_or_owner=sum(a.from_memory or a.worker == owner[a.document] for a in later),
         prefilled_tokens=sum(a.prompt_tokens - a.cached_tokens for a in later),
+        missed=tuple((a.round, a.document) for a in later if not a.from_memory),
     )
 
 
@@ -164,4 +166,8 @@ def _render(rows: list[Row], settings: Settings) -> str:
             f"{r.memory_or_owner} ({r.memory_or_owner / r.questions:.0%}) | "
             f"{r.prefilled_tokens} |"
         )
+    lines.append("")
+    for r in rows:
+        missed = ", ".join(f"round {n} document {d}" for n, d in r.missed) or "none"
+        lines.append(f"Not from memory with routing {'on' if r.routing else 'off'}: {missed}.")
     return "\n".join(lines) + "\n"

@@ -159,7 +159,7 @@ class GranaryWorker(SimpleWorker):
 
     def _tend_routing(self) -> None:
         # Every worker does this, so jobs routed to a worker that died never wait for a
-        # Conclave worker (which also sweeps about every second) to move them.
+        # Conclave worker (whose routing thread sweeps every TICK_S) to move them.
         self._routing.sweep(self._wait_s)
 
     def dequeue_job_and_maintain_ttl(
