@@ -22,6 +22,7 @@ from bench import (
     machine,
     prefix_cache,
     result_cache,
+    routing,
     speculation,
     warm,
 )
@@ -150,6 +151,12 @@ def _conclave_section(redis_url: str, log_dir: Path, server: Path | None) -> str
     return conclave.section(settings, log_dir, server)
 
 
+def _routing_section(redis_url: str, log_dir: Path) -> str:
+    # Two workers on two cores: one thread each.
+    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=1)
+    return routing.section(settings, log_dir)
+
+
 def _kept(name: str, suite: Callable[[], list[str]]) -> list[str]:
     """A suite that fails is reported in the document; it never costs the others' results."""
     try:
@@ -173,6 +180,7 @@ def main() -> None:
             "batch_rows",
             "chunk_shape",
             "conclave",
+            "routing",
             "exam",
         ],
         help="one suite, printed, not written (unless --write)",
@@ -215,6 +223,7 @@ def main() -> None:
             "batch_rows": lambda: [_batch_rows_section(redis_url, args.invariant_site)],
             "chunk_shape": lambda: [_chunk_shape_section(redis_url)],
             "conclave": lambda: [_conclave_section(redis_url, log_dir, args.peer_server)],
+            "routing": lambda: [_routing_section(redis_url, log_dir)],
             "exam": lambda: [_exam_section(redis_url, log_dir, args.exam_runs)],
         }
         sections = []

@@ -101,3 +101,26 @@ def batch(batch_id: str) -> str:
 def batch_items(batch_id: str) -> str:
     """List of the batch's items in order, each "custom_id job_id" as JSON."""
     return f"{PREFIX}:batch:{batch_id}:items"
+
+
+def holder(prefix_id: str) -> str:
+    """The worker whose memory holds a document prefix now (expires unless refreshed)."""
+    return f"{PREFIX}:holder:{prefix_id}"
+
+
+def room(worker: str) -> str:
+    """How many more jobs a worker can take now (expires unless refreshed): routing sends it
+    at most that many, each taking one."""
+    return f"{PREFIX}:room:{worker}"
+
+
+def routing_workers() -> str:
+    """Sorted set: worker name -> when its advertisement expires (Redis time), so routing
+    knows how many workers are live."""
+    return f"{PREFIX}:routing:workers"
+
+
+def routed() -> str:
+    """Sorted set: "<private queue> <job id>" -> when the job was routed (Redis time), so any
+    worker can hand a job its worker did not take back to the shared queue."""
+    return f"{PREFIX}:routing:routed"

@@ -32,6 +32,11 @@ def prefix_id(item: WarmItem | DocumentFields, namespace: str | None) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
+def document_prefix_id(document: DocumentFields, namespace: str | None) -> str:
+    """A request's document prefix as the warmer names it (routing names it so too)."""
+    return prefix_id(WarmItem.model_validate(document.model_dump()), namespace)
+
+
 @dataclass(frozen=True, slots=True)
 class LearnedPrefix:
     id: str
@@ -50,7 +55,7 @@ class PrefixUsage:
 
     def record(self, document: DocumentFields, namespace: str | None, *, hit: bool) -> None:
         item = WarmItem.model_validate(document.model_dump())
-        pid = prefix_id(item, namespace)
+        pid = document_prefix_id(document, namespace)
         key = keys.prefix_usage(pid)
         with self._redis.pipeline(transaction=False) as pipe:
             pipe.zincrby(keys.prefix_uses(), 1, pid)

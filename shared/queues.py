@@ -8,6 +8,7 @@ code or a model), and the one way to reach a queue and put a job on it.
 from __future__ import annotations
 
 from redis import Redis
+from redis.client import Pipeline
 from rq import Callback, Queue, Retry
 
 from shared.codec import JsonSerializer
@@ -18,6 +19,8 @@ BATCH = "batch"
 WARM = "warm"
 # Priority order: a worker always drains the earlier ones first.
 QUEUES: tuple[str, ...] = (INTERACTIVE, BATCH, WARM)
+# Classes whose jobs may go to the worker holding their document (shared/routing.py).
+ROUTED: tuple[str, ...] = (INTERACTIVE, BATCH)
 
 RUN_JOB = "worker.tasks.run_job"
 RUN_EXTRACT = "worker.tasks.run_extract"
@@ -39,11 +42,12 @@ def enqueue(
     *,
     rq_job_id: str | None = None,
     at_front: bool = False,
+    pipeline: Pipeline | None = None,
 ) -> None:
     """Queue `function(job_id)`: timeouts, retries for abandoned jobs and the failure callback.
 
     The rq job id is the granary job id unless told otherwise (a warm job that stepped aside
-    comes back under a fresh one).
+    comes back under a fresh one). With `pipeline`, the commands go into it, unsent.
     """
     worker = settings.worker
     queue(redis, queue_name).enqueue(
@@ -56,4 +60,5 @@ def enqueue(
         failure_ttl=settings.jobs.result_ttl_s,
         retry=Retry(max=worker.max_retries) if worker.max_retries else None,
         on_failure=Callback(ON_FAILURE),
+        pipeline=pipeline,
     )

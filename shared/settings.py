@@ -82,6 +82,16 @@ class WorkerSettings(BaseModel):
     exact_batching: bool = True
 
 
+class RoutingSettings(BaseModel):
+    # With several workers, a job whose document prefix a live worker holds in memory goes to
+    # that worker while it has room (shared/routing.py): it skips the prefill or disk restore.
+    # One worker alone never has its jobs routed, so it runs exactly as without this.
+    enabled: bool = True
+    # A routed job its worker has not taken within this long goes to the front of the shared
+    # queue, where any worker takes it: the bound on what waiting for memory may cost.
+    wait_s: float = Field(2.0, gt=0, le=300)
+
+
 class JobSettings(BaseModel):
     default_max_tokens: int = Field(256, gt=0)
     result_ttl_s: int = Field(86_400, gt=0)
@@ -179,6 +189,7 @@ class Settings(BaseSettings):
     jobs: JobSettings = JobSettings()
     cache: CacheSettings = CacheSettings()
     result_cache: ResultCacheSettings = ResultCacheSettings()
+    routing: RoutingSettings = RoutingSettings()
     warmer: WarmerSettings = WarmerSettings()
 
     @field_validator("api_keys", mode="before")

@@ -6,6 +6,7 @@ Everything that can be wrong with a request is found here, before anything reach
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import threading
 import uuid
@@ -13,11 +14,12 @@ import uuid
 from llama_cpp import Llama
 from redis import Redis
 
-from shared import codec, documents, keys, result_cache
+from shared import codec, documents, keys, result_cache, routing
 from shared.errors import ContextOverflow, IdempotencyConflict, InvalidRequest
 from shared.job_store import JobStore
 from shared.llm import document_prompts, render_prompt, render_warm, tokenize
-from shared.queues import RUN_EXTRACT, RUN_JOB, enqueue, queue
+from shared.prefix_usage import document_prefix_id
+from shared.queues import ROUTED, RUN_EXTRACT, RUN_JOB, enqueue, queue
 from shared.result_cache import ResultCache
 from shared.schemas import (
     DocumentFields,
@@ -33,6 +35,8 @@ from shared.schemas import (
     WorkOrder,
 )
 from shared.settings import Settings
+
+log = logging.getLogger(__name__)
 
 DOCUMENT_FIELDS = set(DocumentFields.model_fields)
 
@@ -128,6 +132,7 @@ class Submitter:
         # Rendering and tokenizing a long prompt holds a core; bound how many run at once.
         self._tokenizing = threading.BoundedSemaphore(settings.api.tokenize_concurrency)
         self._longest_token = longest_token_bytes(tokenizer)
+        self._routing = routing.Routing(redis) if settings.routing.enabled else None
 
     def submit(
         self,
@@ -159,8 +164,7 @@ class Submitter:
         if stored is not None:  # finished now: no worker needed
             result_cache.answer(self._store, job_id, view.created_at, stored)
             return self._store.get(job_id)
-        function = RUN_EXTRACT if kind == "extract" else RUN_JOB
-        enqueue(self._redis, queue_name, function, job_id, self._settings)
+        self._enqueue(order, kind, queue_name, job_id)
         return view
 
     def _keyed(
@@ -179,6 +183,23 @@ class Submitter:
         if self._results is None or order.result_key is None:
             return None
         return self._results.lookup(order.result_key)
+
+    def _enqueue(
+        self, order: WorkOrder | ExtractOrder, kind: JobKind, queue_name: str, job_id: str
+    ) -> None:
+        """Onto its queue; a job about a document goes, in the same transaction, to the private
+        list of the live worker whose memory holds it, if one has room (shared/routing.py)."""
+        function = RUN_EXTRACT if kind == "extract" else RUN_JOB
+        if self._routing is None or order.document is None or queue_name not in ROUTED:
+            enqueue(self._redis, queue_name, function, job_id, self._settings)
+            return
+        prefix = document_prefix_id(order.document, order.cache_namespace)
+        with self._redis.pipeline() as pipe:
+            enqueue(self._redis, queue_name, function, job_id, self._settings, pipeline=pipe)
+            self._routing.route(pipe, queue_name, job_id, prefix)
+            owner = pipe.execute()[-1]
+        if owner:
+            log.debug("job %s goes to worker %s, which holds its document", job_id, owner)
 
     def warm_item(self, item: WarmItem) -> WarmItem:
         """The item as it will be warmed (document normalised, as requests normalise it),
@@ -260,6 +281,7 @@ class Submitter:
         """Cancel; a queued job also leaves its rq queue, so queue depth stays true."""
         view = self._store.cancel(job_id, owner)
         queue(self._redis, view.queue).remove(job_id)
+        routing.unqueue(self._redis, view.queue, job_id)
         return view
 
     def _deduplicate(

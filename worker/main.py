@@ -120,5 +120,13 @@ def _rq_worker(
 ) -> GranaryWorker:
     if isinstance(engine, ConclaveEngine):
         conclave = engine.conclave
-        return ConclaveWorker(redis, settings.worker, waiter, conclave.free_sequences)
-    return GranaryWorker(redis, settings.worker, waiter)
+        return ConclaveWorker(
+            redis,
+            settings.worker,
+            settings.routing,
+            waiter,
+            conclave.free_sequences,
+            conclave.held_documents,
+            conclave.held_changed,
+        )
+    return GranaryWorker(redis, settings.worker, settings.routing, waiter)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from functools import partial
 from types import TracebackType
@@ -23,12 +24,17 @@ from rq.job import Job
 from rq.timeouts import TimerDeathPenalty
 from rq.worker import WorkerStatus
 
+from shared import keys, routing
 from shared.codec import JsonSerializer
-from shared.queues import QUEUES, WARM, queue
+from shared.queues import QUEUES, ROUTED, WARM, queue
 from shared.redis_outage import REDIS_DOWN, RedisWaiter, describe
-from shared.settings import WorkerSettings
+from shared.settings import RoutingSettings, WorkerSettings
 
 log = logging.getLogger(__name__)
+
+# How often a Conclave worker advertises for routing and sweeps routed jobs nobody took (and at
+# once when what its memory holds, or its room, changes).
+TICK_S = 0.5
 
 
 class _Heartbeat:
@@ -62,16 +68,59 @@ class _Heartbeat:
                 log.warning("heartbeat failed", exc_info=True)
 
 
+class _Ticker:
+    """Calls `tick` on a thread every `every_s` seconds, and at once whenever `wake` is set."""
+
+    def __init__(
+        self, tick: Callable[[], None], every_s: float, wake: threading.Event, waiter: RedisWaiter
+    ) -> None:
+        self._tick = tick
+        self._every_s = every_s
+        self._wake = wake
+        self._waiter = waiter
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="routing", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._every_s)
+            self._wake.clear()
+            if self._stopped:
+                return
+            try:
+                self._tick()
+            except REDIS_DOWN as exc:  # the next round tries again
+                self._waiter.failed(exc)
+            except Exception:  # routing is an optimisation: the worker goes on without it
+                log.warning("routing round failed", exc_info=True)
+
+
 class GranaryWorker(SimpleWorker):
     """rq's work loop quits on a Redis error anywhere outside its dequeue, and a new process
     would load the model again: here each step of the loop waits out an outage instead."""
 
     def __init__(
-        self, redis: Redis, settings: WorkerSettings, waiter: RedisWaiter, **kwargs: Any
+        self,
+        redis: Redis,
+        settings: WorkerSettings,
+        routing_settings: RoutingSettings,
+        waiter: RedisWaiter,
+        **kwargs: Any,
     ) -> None:
         queues = [queue(redis, name) for name in QUEUES]
         self._heartbeat_ttl_s = settings.heartbeat_ttl_s
         self._waiter = waiter
+        self._routing = routing.Routing(redis)
+        self._wait_s = routing_settings.wait_s
         super().__init__(
             queues,
             connection=redis,
@@ -106,6 +155,12 @@ class GranaryWorker(SimpleWorker):
 
     def run_maintenance_tasks(self) -> None:
         self._waiter.call(super().run_maintenance_tasks)
+        self._waiter.call(self._tend_routing)
+
+    def _tend_routing(self) -> None:
+        # Every worker does this, so jobs routed to a worker that died never wait for a
+        # Conclave worker (whose routing thread sweeps every TICK_S) to move them.
+        self._routing.sweep(self._wait_s)
 
     def dequeue_job_and_maintain_ttl(
         self, timeout: int | None, max_idle_time: int | None = None
@@ -184,16 +239,40 @@ class ConclaveWorker(GranaryWorker):
         self,
         redis: Redis,
         settings: WorkerSettings,
+        routing_settings: RoutingSettings,
         waiter: RedisWaiter,
         free_sequences: Callable[[], int],
+        held_documents: Callable[[], frozenset[str]],
+        held_changed: threading.Event,
         **kwargs: Any,
     ) -> None:
-        super().__init__(redis, settings, waiter, **kwargs)
+        name = kwargs.pop("name", None) or uuid.uuid4().hex
+        super().__init__(redis, settings, routing_settings, waiter, name=name, **kwargs)
         self._max_active = settings.max_active_jobs
         self._free_sequences = free_sequences
+        self._held_documents = held_documents
         self._active: dict[str, tuple[threading.Thread, str]] = {}
         self._changed = threading.Condition()
-        self._all_queues = list(self._ordered_queues)
+        self._shared = {q.name: q for q in self._ordered_queues}
+        self._routes = routing_settings.enabled
+        # Within each class, what was routed here goes first (shared/routing.py). Only the
+        # dequeue reads the private lists: rq registers and reports the shared queues alone.
+        self._private = [routing.private_queue(q, name) for q in ROUTED] if self._routes else []
+        self._all_queues = self._listening_order()
+        # Woken when memory's documents change and when a job starts or ends (room changes).
+        self._advertise_now = held_changed
+        self._ticker = _Ticker(self._tick, TICK_S, held_changed, waiter)
+        self._ticking = False
+
+    def _listening_order(self) -> list[Queue]:
+        """interactive@me, interactive, batch@me, batch, warm (without routing: no private)."""
+        order = []
+        for name in QUEUES:
+            private = routing.private_queue(name, self.name)
+            if private in self._private:
+                order.append(queue(self.connection, private))
+            order.append(self._shared[name])
+        return order
 
     @property
     def active_jobs(self) -> int:
@@ -211,6 +290,7 @@ class ConclaveWorker(GranaryWorker):
         with self._changed:
             self._active[execution.id] = (thread, queue.name)
         thread.start()
+        self._advertise_now.set()
 
     def _perform(self, job: Job, queue: Queue, execution: Any) -> None:
         try:
@@ -224,6 +304,7 @@ class ConclaveWorker(GranaryWorker):
                 del self._active[execution.id]
                 idle = not self._active
                 self._changed.notify_all()
+            self._advertise_now.set()
             if idle:  # so a stop request now ends the worker at once
                 self.set_state(WorkerStatus.IDLE)
 
@@ -232,6 +313,9 @@ class ConclaveWorker(GranaryWorker):
     ) -> tuple[Job, Queue] | None:
         """The next job once there is room; None once a stop is requested."""
         wait = timeout or 1
+        if not self._ticking:  # registered by now: start advertising
+            self._ticking = True
+            self._ticker.start()
         while not self._stop_requested:
             self._wait_for_room()
             if self._stop_requested:
@@ -244,7 +328,8 @@ class ConclaveWorker(GranaryWorker):
             # jobs run (the worker is busy, so rq only sets a flag) must end it too.
             result = super().dequeue_job_and_maintain_ttl(wait, wait)
             if result is not None:
-                return result
+                return self._as_shared(*result)
+        self._withdraw()
         return None
 
     def _wait_for_room(self) -> None:
@@ -252,8 +337,42 @@ class ConclaveWorker(GranaryWorker):
             while not self._stop_requested and not self._has_room():
                 self._changed.wait(timeout=1.0)
 
+    def _room(self) -> int:
+        return max(0, min(self._max_active - len(self._active), self._free_sequences()))
+
     def _has_room(self) -> bool:
-        return len(self._active) < self._max_active and self._free_sequences() > 0
+        return self._room() > 0
+
+    def _tick(self) -> None:
+        """Advertise what memory holds and the room left; hand back routed jobs that waited
+        too long for any worker (the ticker thread, every TICK_S and on changes)."""
+        if self._routes:
+            held = self._held_documents()
+            self._routing.advertise(self.name, held, self._room(), self._private)
+        self._routing.sweep(self._wait_s)
+
+    def _as_shared(self, job: Job, queue: Queue) -> tuple[Job, Queue]:
+        """A job taken from a private list runs as its shared queue's: rq's started registry,
+        retries and re-queues use the queue a job runs under."""
+        shared = self._shared.get(job.origin)
+        if shared is None or queue.name == shared.name:
+            return job, queue
+        try:
+            member = routing.routed_member(queue.name, job.id)
+            self.connection.zrem(keys.routed(), member)
+        except REDIS_DOWN as exc:  # a sweep drops the entry once it finds the job gone
+            self._waiter.failed(exc)
+        return job, shared
+
+    def _withdraw(self) -> None:
+        """Stopping: nothing more is routed here, and what waits here goes back in front."""
+        self._ticker.stop()  # first: a round running now would advertise room again
+        if not self._routes:
+            return
+        self._routes = False
+        moved = self._waiter.call(lambda: self._routing.withdraw(self.name, ROUTED))
+        if moved:
+            log.info("worker %s hands %d routed jobs back to the shared queues", self.name, moved)
 
     def set_state(self, state: str, pipeline: Pipeline | None = None) -> None:
         # rq marks the worker idle around every dequeue; with jobs running it is busy.
@@ -263,6 +382,7 @@ class ConclaveWorker(GranaryWorker):
 
     def teardown(self) -> None:
         """A warm shutdown lets every running job finish first."""
+        self._withdraw()
         for thread, _ in list(self._active.values()):
             thread.join()
         super().teardown()

@@ -24,7 +24,7 @@ from rq import Worker
 
 from api.deps import State
 from api.state import AppState
-from shared import job_metrics
+from shared import job_metrics, routing
 from shared.prefix_cache import COUNTER_NAMES as CACHE_COUNTERS
 from shared.prefix_cache import read_counters as read_cache_counters
 from shared.queues import QUEUES, queue
@@ -56,7 +56,8 @@ class GranaryCollector(Collector):
         active = GaugeMetricFamily("granary_active_jobs", "Jobs running", labels=["queue"])
         for name in QUEUES:
             jobs = queue(redis, name)
-            depth.add_metric([name], jobs.count)
+            # Jobs routed to a worker holding their document wait in its private list.
+            depth.add_metric([name], jobs.count + routing.waiting(redis, name))
             active.add_metric([name], jobs.started_job_registry.count)
         yield depth
         yield active

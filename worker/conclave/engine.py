@@ -16,6 +16,7 @@ from llama_cpp import Llama
 from shared.errors import CacheDisabled
 from shared.llm import tokenize_parts
 from shared.prefix_cache import PrefixCache
+from shared.prefix_usage import document_prefix_id, prefix_id
 from shared.schemas import JobResult, Timings, Usage, WarmOrder, WarmResult, WorkOrder
 from worker.conclave.loop import Conclave
 from worker.conclave.streams import (
@@ -121,6 +122,7 @@ class ConclaveEngine:
             priority,
             max_new=max_tokens - decoded.count,
             sampling=Sampling(order.temperature, order.top_p, order.seed),
+            document=_document(order, boundary),
         )
         sink = TextSink(self.llama, text, decoded, max_tokens, on_token)
         handle = self.conclave.handle(request, lambda event: sink.push(event.token))
@@ -152,6 +154,10 @@ class ConclaveEngine:
             WARM,
             max_new=0,
             end=target,
+            # Warmed, the document is in memory too: its next question is best served here.
+            document=None
+            if order.item.document is None
+            else (prefix_id(order.item, order.cache_namespace), target),
         )
         with self.conclave.submit(self.conclave.handle(request)) as handle:
             cached = min(wait_started(handle).cached_tokens, target)
@@ -159,6 +165,13 @@ class ConclaveEngine:
         if self._saver is not None:
             self._saver.flush()  # "warmed" means a request arriving now finds it on disk
         return warm_result(target, cached, reached)
+
+
+def _document(order: WorkOrder, boundary: int | None) -> tuple[str, int] | None:
+    """The document prefix a generation job's prompt starts with, named for routing."""
+    if order.document is None or boundary is None:
+        return None
+    return document_prefix_id(order.document, order.cache_namespace), boundary
 
 
 def _wait_ended(handle: StreamHandle) -> Ended:

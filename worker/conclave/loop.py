@@ -133,6 +133,11 @@ class Conclave:
         # Streams not yet ended, each owning (or waiting for) a sequence: what admission of
         # new jobs looks at.
         self._committed = 0
+        # What memory holds, as the worker advertises it: replaced whole by the model thread,
+        # so another thread reading it never sees one half-changed; `held_changed` is set
+        # each time, so the worker tells routing at once, not at its next round.
+        self._held: frozenset[str] = frozenset()
+        self.held_changed = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="conclave", daemon=True)
         self._thread.start()
@@ -163,6 +168,10 @@ class Conclave:
     ) -> StreamHandle:
         """A handle for `request`; `events` may be shared with the job's other streams."""
         return StreamHandle(request, self._wake, on_token, events, tag)
+
+    def held_documents(self) -> frozenset[str]:
+        """Prefix ids of the documents memory holds whole (as of the last turn)."""
+        return self._held
 
     def free_sequences(self) -> int:
         """Sequences no running or waiting stream has claimed (idle ones count as free)."""
@@ -201,7 +210,15 @@ class Conclave:
         self._sweep()
         self._start_waiting()
         worked = self._prefill_one()
-        return self._step() or worked
+        worked = self._step() or worked
+        self._note_held()
+        return worked
+
+    def _note_held(self) -> None:
+        held = self._memory.documents()
+        if held != self._held:
+            self._held = held
+            self.held_changed.set()
 
     def _sweep(self) -> None:
         for stream in list(self._streams):
@@ -248,6 +265,8 @@ class Conclave:
         resident.tokens = request.tokens[:kept]
         resident.prefilled = kept
         resident.breaks = tuple(b for b in request.breaks if b <= kept)
+        resident.keep_documents(kept)
+        resident.label(request.document)
         if cache is not None and self._saver is not None:
             stream.snapshots = self._snapshot_points(request, kept)
         stream.handle.put(Started(kept, restore_ms, time.perf_counter()))
@@ -303,6 +322,7 @@ class Conclave:
         stream.resident.tokens.extend(request.tokens[position:chunk_end])
         stream.resident.prefilled = stream.pos = chunk_end
         stream.resident.breaks = tuple(b for b in request.breaks if b <= chunk_end)
+        stream.resident.label(request.document)
         if chunk_end in stream.snapshots:
             cache = self._cache_for(request.namespace)
             if cache is not None and self._saver is not None:
@@ -414,6 +434,7 @@ class Conclave:
             if stream.resident is not None:
                 self._memory.forget(stream.resident)
             self._forget_stream(stream)
+        self._note_held()
 
     def _forget_stream(self, stream: _Stream) -> None:
         self._streams.remove(stream)

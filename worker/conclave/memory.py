@@ -12,6 +12,11 @@ starts the same way, until the sequence is needed (least recently used first). O
 computed by canonical prefill (or restored) are reused, under the same rule as the disk cache
 (`restorable_tokens`), so output never depends on what memory held before. A prompt sharing a
 busy sequence's prefix gets a copy of its buffer (a memory copy, no model work), cut back.
+
+A sequence whose cells hold a whole document prefix is labelled with the document's prefix id
+(shared/prefix_usage.py); copies copy the labels and cutting below a prefix drops its label, so
+`documents()` is what memory really holds, which the worker advertises for routing
+(shared/routing.py).
 """
 
 from __future__ import annotations
@@ -37,6 +42,17 @@ class Resident:
     breaks: tuple[int, ...] = ()
     idle: bool = False
     used_at: float = field(default_factory=time.monotonic)
+    # Document prefixes the cells hold whole: prefix id -> its tokens.
+    documents: dict[str, int] = field(default_factory=dict)
+
+    def label(self, document: tuple[str, int] | None) -> None:
+        """Name the document whose prefix the prefilled cells now hold whole."""
+        if document is not None and self.prefilled >= document[1]:
+            self.documents[document[0]] = document[1]
+
+    def keep_documents(self, cells: int) -> None:
+        """Cells from `cells` on are gone: so is any document they held part of."""
+        self.documents = {d: n for d, n in self.documents.items() if n <= cells}
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +73,16 @@ class Memory:
 
     def residents(self) -> Iterator[Resident]:
         return iter(self._residents.values())
+
+    def documents(self) -> frozenset[str]:
+        """Document prefixes a new prompt could reuse from memory now."""
+        held: set[str] = set()
+        for resident in self._residents.values():
+            for document, tokens in resident.documents.items():
+                # Memory that cannot drop a tail is reused only when nothing follows the prefix.
+                if self._truncatable or len(resident.tokens) == tokens:
+                    held.add(document)
+        return frozenset(held)
 
     def has_room(self) -> bool:
         """Whether a stream can start now: a sequence is free or idle."""
@@ -104,6 +130,7 @@ class Memory:
                 resident.tokens = list(reuse.source.tokens)
                 resident.prefilled = reuse.source.prefilled
                 resident.breaks = reuse.source.breaks
+                resident.documents = dict(reuse.source.documents)
         self._cut(resident, reuse.tokens if reuse is not None else 0)
         resident.namespace = namespace
         resident.idle = False
@@ -129,6 +156,7 @@ class Memory:
         resident.tokens = resident.tokens[:keep]
         resident.prefilled = min(resident.prefilled, keep)
         resident.breaks = tuple(b for b in resident.breaks if b <= keep)
+        resident.keep_documents(keep)
 
     def _take_seq(self) -> int:
         if not self._free:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from shared.llm import document_prompts
+from shared.prefix_usage import document_prefix_id
 from shared.schemas import ExtractOrder
 from worker import multi_sequence
 from worker.conclave.engine import ConclaveEngine, expect, wait_started
@@ -56,6 +57,7 @@ def extract(
         if overflow > 0:
             raise DoesNotFit(index, overflow)
     head = [*prefix, *tails[0]]
+    document = (document_prefix_id(order.document, order.cache_namespace), len(prefix))
     hold = StreamRequest(
         head,
         chunk_breaks(len(prefix), limit=len(head) - 1),
@@ -64,6 +66,7 @@ def extract(
         max_new=0,
         end=len(prefix),
         hold=True,
+        document=document,
     )
     with engine.conclave.submit(engine.conclave.handle(hold)) as held:
         cached = min(wait_started(held).cached_tokens, len(prefix))

@@ -52,6 +52,9 @@ class StreamRequest:
     # Keep the sequence reserved after prefill until the handle closes: an extraction's
     # questions fork from it.
     hold: bool = False
+    # The document prefix the prompt starts with: (its prefix id, its tokens). Once memory
+    # holds all of it, the worker advertises it, so routing sends its next question here.
+    document: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:
