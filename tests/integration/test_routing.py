@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import redis
 
-from shared import keys, routing
+from shared import documents, keys, routing
 from shared.prefix_usage import document_prefix_id
 from shared.queues import INTERACTIVE
 from shared.schemas import DocumentFields
@@ -59,7 +59,9 @@ def worker_of(client: redis.Redis, job_id: str) -> str:
 
 
 def prefix() -> str:
-    return document_prefix_id(DocumentFields(document=INVOICE, instructions=INSTRUCTIONS), None)
+    """The id workers advertise: the document's, as the API normalised it."""
+    sent = DocumentFields(document=INVOICE, instructions=INSTRUCTIONS)
+    return document_prefix_id(documents.normalized(sent)[0], None)
 
 
 def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 15) -> None:
