@@ -11,12 +11,10 @@ import statistics
 import time
 from pathlib import Path
 
-import httpx
-import orjson
 import redis
-from httpx_sse import connect_sse
 
 from bench.job_path import PROMPT
+from bench.prefix_cache import timed_job
 from shared import keys
 from shared.settings import Settings
 from tests.harness import Stack
@@ -36,21 +34,9 @@ def _wait_stored(settings: Settings, count: int) -> None:
 
 def _ttft_ms(stack: Stack, prompt: str, max_tokens: int, cached: bool) -> float:
     """POST, then the SSE stream until the first token; checks where the answer came from."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    with httpx.Client(base_url=stack.url, timeout=600) as client:
-        started = time.perf_counter()
-        job = client.post("/v1/jobs", json=body).json()
-        first: float | None = None
-        with connect_sse(client, "GET", f"/v1/jobs/{job['id']}/events") as source:
-            for sse in source.iter_sse():
-                if sse.event == "token" and first is None:
-                    first = time.perf_counter()
-                if sse.event in ("done", "error"):
-                    final = orjson.loads(sse.data)
-                    break
-    assert final["status"] == "finished" and first is not None, final
-    assert final["usage"]["cached_result"] is cached, final["usage"]
-    return (first - started) * 1000
+    run = timed_job(stack, {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert run.job["usage"]["cached_result"] is cached, run.job["usage"]
+    return run.client_ttft_s * 1000
 
 
 def measure(stack: Stack, settings: Settings, rounds: int, repeats: int, max_tokens: int) -> str:

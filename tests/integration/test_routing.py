@@ -18,19 +18,9 @@ from shared.prefix_usage import document_prefix_id
 from shared.queues import INTERACTIVE
 from shared.schemas import DocumentFields
 from tests.harness import Stack
+from tests.integration.test_extraction import INSTRUCTIONS, INVOICE, QUESTIONS
 from tests.integration.test_job_path import COUNTING, first_tokens, submit, wait_status
 
-INSTRUCTIONS = "Answer from the invoice only, in a few words."
-INVOICE = " ".join(
-    f"Line {i}: {i * 3 % 17} boxes of {['tea', 'rice', 'salt'][i % 3]} for shop {i % 4}."
-    for i in range(24)
-)
-QUESTIONS = [
-    "Which product is on line 5?",
-    "How many boxes are on line 7?",
-    "Which shop gets line 10?",
-    "What is sold on line 2?",
-]
 # Off: a question on any worker would restore the document from disk; memory is what routing
 # is about.
 NO_DISK = {"enabled": False}

@@ -103,8 +103,9 @@ def test_hundreds_of_listeners_on_a_running_job_all_end_with_done(stack: Stack) 
     assert all(h.token_indices == every_token for h in heard)
     assert "RuntimeError" not in stack.log("api")
     # Listeners arriving together share backlog reads (parsing one each was most of the API's
-    # CPU); the bound leaves room for other suites on the same Redis server.
-    assert xranges < LISTENERS / 3, xranges
+    # CPU). How many share depends on how fast they arrive: under a loaded suite 120 reads were
+    # seen for 300 listeners, so the bound is half of them (without sharing: one read each).
+    assert xranges < LISTENERS / 2, xranges
 
 
 def xrange_calls(stack: Stack) -> int:
