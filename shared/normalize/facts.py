@@ -39,7 +39,7 @@ def facts_lines(blocks: list[Block]) -> list[Line]:
 def _facts(block: Block, heading: str, lang: str) -> list[tuple[str, str | None]]:
     scope = f"{heading} > " if heading else ""
     if block.kind == "pair":
-        return [(f"{scope}{block.label}: {block.text}", None)]
+        return [(scope + block.labelled(), None)]
     if block.kind == "table":
         return [(scope + _row(block.header, row), None) for row in block.rows] or [
             (scope + "; ".join(block.header), None)

@@ -156,6 +156,50 @@ def test_links_keep_a_target_their_text_does_not_show() -> None:
         assert "shop.example/home" not in result.text and "share?u=1" not in result.text
 
 
+def test_a_question_and_its_answer_are_one_line() -> None:
+    html = (
+        "<h2>FAQ</h2><details><summary>Kann ich im Geschäft zurückgeben?</summary>"
+        "<p>Ja, Paketware nehmen alle Filialen zurück.</p><p>Gern beraten wir Sie.</p></details>"
+        "<dl><dt>Do you ship abroad?</dt><dd>Yes, to the EU.</dd></dl>"
+    )
+    qa = "Kann ich im Geschäft zurückgeben? Ja, Paketware nehmen alle Filialen zurück. Gern"
+    for fmt in ("text", "facts"):
+        text = normalize(html, fmt).text  # type: ignore[arg-type]
+        # The answer, filler or not, stays with its question.
+        assert qa in text and "Do you ship abroad? Yes, to the EU." in text
+
+
+def test_a_yes_or_no_answer_is_a_fact() -> None:
+    html = "<p>Nein, eine sichere Verpackung genügt. Wir freuen uns. Yes, we do.</p>"
+    assert normalize(html, "facts").text == "Nein, eine sichere Verpackung genügt.\nYes, we do."
+
+
+def test_navigation_links_go_but_facts_in_the_header_stay() -> None:
+    html = (
+        '<header><a href="/" class="brand">Lindenhof</a>'
+        '<nav class="navbar"><a href="/sale">Sale</a> <a href="/cart">Warenkorb (0)</a> '
+        'Hotline <a href="tel:+49301234567">030 1234567</a></nav>'
+        "<p>Service: 030 7654321</p></header>"
+        "<main><h1>Returns</h1><p>Returns are free within 30 days.</p></main>"
+        '<footer><ul class="footer-links"><li><a href="/agb">AGB</a></li>'
+        '<li><a href="/impressum">Impressum</a></li></ul>'
+        "<ul><li>Mo-Fr 8-18 Uhr</li><li><a href='/filialen'>12 Filialen</a> in Berlin</li></ul>"
+        "<p>USt-IdNr. DE 271828182</p></footer>"
+    )
+    for fmt in ("text", "facts"):
+        result = normalize(html, fmt)  # type: ignore[arg-type]
+        assert (result.used, result.missing) == (fmt, ())
+        # A menu link names a page: its text goes, a count in it too ("(0)" is no fact).
+        for link in ("Sale", "Warenkorb", "AGB", "Impressum"):
+            assert link not in result.text
+        # A phone in the menu or the header, the footer's facts and a list that is not only
+        # links stay; the text before the menu is the header's, not the menu's.
+        for kept in ("030 1234567", "Service: 030 7654321", "DE 271828182", "12 Filialen in"):
+            assert kept in result.text
+    assert "Lindenhof" in normalize(html, "text").text
+    assert normalize(html, "text").kept["dropped_navigation"] == 4
+
+
 def test_exclusion_words_are_negations() -> None:
     # German "ausgeschlossen" (excluded) negates as "nicht" does: the sentence is a fact.
     html = (
