@@ -60,7 +60,7 @@ def test_facts_are_shorter_and_keep_labels_negations_and_footer() -> None:
     text = normalize(raw, "text").text
     # (The 3x token target is for real pages, measured by the bench; this one is small.)
     assert len(facts) * 2 < len(raw) and len(text) * 1.5 < len(raw)
-    assert "Rates per night > Room: Double; Low season: € 120; High season: € 150" in facts
+    assert "Room: Double; Low season: € 120; High season: € 150" in facts
     assert "Pets are not allowed in the rooms." in facts
     assert "VAT IT02345678901" in facts and "+390511234567" in facts
     for furniture in ("cookies", "Accept all", "Share on Facebook", "dataLayer", "Home"):
@@ -156,17 +156,37 @@ def test_links_keep_a_target_their_text_does_not_show() -> None:
         assert "shop.example/home" not in result.text and "share?u=1" not in result.text
 
 
+def test_a_heading_is_a_line_once_and_labels_only_what_it_tells_apart() -> None:
+    html = (
+        "<h2>Double room</h2><p>Price: 120 EUR</p><dl><dt>Size</dt><dd>20 m2</dd></dl>"
+        "<p>The room faces the sea. It has 2 beds.</p><h2>Single room</h2><p>Price: 85 EUR</p>"
+    )
+    assert normalize(html, "facts").text.split("\n") == [
+        # Sentences and labels of this section alone ("Size") need the heading: once, above.
+        "Double room",
+        # "Price" is under both headings: there the heading tells the values apart.
+        "Double room > Price: 120 EUR",
+        "Size: 20 m2",
+        "It has 2 beds.",
+        # Every line of this section names it already.
+        "Single room > Price: 85 EUR",
+    ]
+
+
 def test_a_question_and_its_answer_are_one_line() -> None:
     html = (
         "<h2>FAQ</h2><details><summary>Kann ich im Geschäft zurückgeben?</summary>"
         "<p>Ja, Paketware nehmen alle Filialen zurück.</p><p>Gern beraten wir Sie.</p></details>"
         "<dl><dt>Do you ship abroad?</dt><dd>Yes, to the EU.</dd></dl>"
+        "<h3>Muss ich die Verpackung aufheben?</h3><p>Eine sichere Verpackung genügt.</p>"
     )
     qa = "Kann ich im Geschäft zurückgeben? Ja, Paketware nehmen alle Filialen zurück. Gern"
     for fmt in ("text", "facts"):
         text = normalize(html, fmt).text  # type: ignore[arg-type]
         # The answer, filler or not, stays with its question.
         assert qa in text and "Do you ship abroad? Yes, to the EU." in text
+        # Under a heading that asks, the paragraphs answer: none is filler.
+        assert "Muss ich die Verpackung aufheben?\nEine sichere Verpackung genügt." in text
 
 
 def test_a_yes_or_no_answer_is_a_fact() -> None:
