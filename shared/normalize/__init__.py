@@ -5,8 +5,9 @@ or as declared) into blocks, renders them as `text` (clean plain lines) or `fact
 "label: value" fact per line), puts back any dropped line that held a fact (`guard`), and
 checks the result (`check`): every number, date, amount, duration, phone, email, URL, ID and
 negated sentence the input holds is in the output. A result that fails the check falls back to
-`text`, then to the document as sent, and says so. No model, no randomness, no clock: the same
-input and format give the same bytes, so cached and warmed prefixes keep matching.
+`text`, then to the document as sent, and says so; `facts` longer than `text` is sent as
+`text` too. No model, no randomness, no clock: the same input and format give the same bytes,
+so cached and warmed prefixes keep matching.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class Normalized:
     text: str
-    # What was asked for, and what the text is: they differ only when the asked format
-    # failed the self-check (`missing` then lists what it would have lost).
+    # What was asked for, and what the text is: they differ when the asked format failed the
+    # self-check (`missing` then lists what it would have lost), or `facts` came out longer
+    # than `text`.
     format: DocumentFormat
     used: DocumentFormat
     input_type: InputType
@@ -96,6 +98,7 @@ def normalize(
     units = _units(text, kind, blocks)
     rules = {**RENDERERS, **(renderers or {})}
     missing: tuple[str, ...] = ()
+    passed: list[Normalized] = []
     for used in _fallbacks(format):
         lines = rules[used](blocks)
         output = "\n".join(line.text for line in guard(lines))
@@ -103,7 +106,11 @@ def normalize(
         if lost:
             missing = missing or tuple(lost)
         elif output.strip():  # (facts of a page of filler is empty: text it is, then)
-            return Normalized(output, format, used, kind, _report(lines, units), missing)
+            passed.append(Normalized(output, format, used, kind, _report(lines, units), missing))
+    if passed:
+        # `facts` is for reading fewer tokens: when its labels cost more than the filler it
+        # drops saves (a page of wide tables), `text` is sent; on a tie the labels are free.
+        return min(passed, key=lambda result: _size(result.text))
     if not missing:
         raise InvalidRequest(
             f"document has no text left as document_format {format!r} (read as {kind})",
@@ -114,6 +121,15 @@ def normalize(
 
 def _fallbacks(format: DocumentFormat) -> list[DocumentFormat]:
     return ["facts", "text"] if format == "facts" else ["text"]
+
+
+_TOKENISH = re.compile(r"\w+|[^\w\s]")
+
+
+def _size(text: str) -> int:
+    """Words and punctuation marks: no tokenizer here (normalising is model-free), and closer
+    to a tokenizer's count than characters are (labels are short words and colons)."""
+    return len(_TOKENISH.findall(text))
 
 
 def read_blocks(text: str, kind: InputType) -> list[Block]:

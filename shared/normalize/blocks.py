@@ -9,9 +9,11 @@ from typing import Literal
 
 BlockKind = Literal["heading", "paragraph", "item", "pair", "table"]
 # Why a parser would leave a block out; it stays if it holds a fact (see `guard`), except a
-# page number ("Page 2 of 9" at the edge of pages with running headers): that numbers the
-# layout, not anything the document says, so it is neither restored nor checked.
-DropReason = Literal["furniture", "header_footer", "page_number"]
+# page number ("Page 2 of 9" at the edge of pages with running headers) and a navigation link's
+# text ("Garden", "Cart (0)" in a site's menu): they number the layout or name a page, not
+# anything the document says, so they are neither restored nor checked.
+DropReason = Literal["furniture", "header_footer", "page_number", "navigation"]
+LAYOUT: frozenset[DropReason] = frozenset(["page_number", "navigation"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,9 +28,15 @@ class Block:
     rows: tuple[tuple[str, ...], ...] = ()
     drop: DropReason | None = None
 
+    def labelled(self) -> str:
+        """A pair as one line, "label: value"; a question and its answer as they read
+        ("Can I return it in store? Yes, parcels.")."""
+        joint = " " if self.label.endswith("?") else ": "
+        return f"{self.label}{joint}{self.text}"
+
     def units(self) -> list[str]:
         """The texts the parser read, one per cell or line: what the self-check protects."""
-        if self.drop == "page_number":
+        if self.drop in LAYOUT:
             return []
         if self.kind == "table":
             return [cell for row in (self.header, *self.rows) for cell in row if cell]

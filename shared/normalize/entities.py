@@ -62,7 +62,7 @@ NEGATION_CUES = (
     # it
     "non|mai|nessun|nessuno|nessuna|senza|né|niente|nulla|escluso|esclusa|esclusi|escluse|"
     # de
-    "nicht|kein|keine|keinen|keinem|keiner|nie|niemals|ohne|ausgeschlossen|ausgenommen|"
+    "nein|nicht|kein|keine|keinen|keinem|keiner|nie|niemals|ohne|ausgeschlossen|ausgenommen|"
     # fr
     "ne|n'|pas|jamais|aucun|aucune|sans|ni|exclu|exclue|exclus|exclues|"
     # es
@@ -77,6 +77,12 @@ _CONDITION = re.compile(
     r"seulement|sauf|avant|doit|doivent|"
     r"sólo|excepto|siempre que|hasta|debe|deben)(?!\w)",
     re.IGNORECASE,
+)
+
+# A sentence that opens by answering yes or no ("Ja, alle Filialen nehmen Paketware zurück.")
+# is the answer to a question, whatever else it holds.
+_YES_NO = re.compile(
+    r"^\W*(?:yes|no|ja|nein|doch|sì|si|oui|non|sí)\s*[,.!;:\u2013\u2014]", re.IGNORECASE
 )
 
 
@@ -121,8 +127,13 @@ def has_condition(text: str) -> bool:
 
 
 def carries_fact(text: str) -> bool:
-    """A sentence worth keeping: an entity, a negation or a condition."""
-    return bool(entities(text)) or has_negation(text) or has_condition(text)
+    """A sentence worth keeping: an entity, a negation, a condition or a yes/no answer."""
+    return (
+        bool(entities(text))
+        or has_negation(text)
+        or has_condition(text)
+        or _YES_NO.match(text) is not None
+    )
 
 
 def contains(haystack: str, needle: str) -> bool:

@@ -1,17 +1,25 @@
 """Blocks into `facts`: one fact per line as "label: value".
 
-- "label: value" lines and definition lists stay as they are;
+- "label: value" lines, definition lists and questions with their answers (a `<details>`
+  block) stay as they are;
 - a table row becomes its cells, each with its column header ("Room: Double; Price: 120 EUR");
   without headers the first cell labels the rest;
 - a paragraph is split into sentences; one carrying a number, date, price, duration, phone,
-  email, URL, ID, negation or condition is kept, labelled with its heading; the others
-  (filler) are dropped;
-- list items are kept (short, and facts more often than not), labelled with their heading.
+  email, URL, ID, negation, condition or yes/no answer is kept, the others (filler) dropped,
+  except under a heading that asks a question: all of its sentences answer it;
+- list items are kept (short, and facts more often than not).
 
-Headings become labels: "Rates > Room: Double; Price: 120 EUR", "Policies: No pets allowed.".
+A label binds its value; a heading is a line of its own, once, above its section's lines. It
+prefixes a line only where the line's label is under another heading too ("Double room >
+Price: 120 EUR", "Single room > Price: 85 EUR"): there it tells the values apart. Repeating
+every heading before every line made `facts` longer than `text` (rueckgabe.html: a 5-word
+heading before each of 7 sentences that carry their own subject).
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
+from typing import NamedTuple
 
 from shared.normalize.blocks import Block
 from shared.normalize.entities import carries_fact
@@ -20,38 +28,74 @@ from shared.normalize.render import Line, mark_duplicates
 from shared.normalize.sentences import language, sentences
 
 
+class _Fact(NamedTuple):
+    text: str
+    drop: str | None
+    scoped: bool  # prefixed with its heading (then the heading line is not needed for it)
+
+
 def facts_lines(blocks: list[Block]) -> list[Line]:
     lines: list[Line] = []
-    heading = ""
+    heading: Line | None = None
     section = 0
     lang = language(" ".join(b.text for b in blocks if b.kind == "paragraph")[:20_000])
+    shared = _shared_labels(blocks)
     for block in blocks:
         if block.kind == "heading":
-            heading, section = block.text, section + 1
+            section += 1
+            heading = Line(block.text, section, block.drop or "heading")
             if block.text:
-                lines.append(Line(block.text, section, block.drop or "heading"))
+                lines.append(heading)
             continue
-        for text, drop in _facts(block, heading, lang):
-            lines.append(Line(text, section, block.drop or drop))
+        title = heading.text if heading is not None else ""
+        scope = f"{title} > " if title and not shared.isdisjoint(_labels(block)) else ""
+        for fact in _facts(block, scope, title.endswith("?"), lang):
+            line = Line(fact.text, section, block.drop or fact.drop)
+            lines.append(line)
+            if heading is not None and heading.drop == "heading" and not fact.scoped:
+                heading.drop = None if line.drop is None else heading.drop
     return mark_duplicates(lines)
 
 
-def _facts(block: Block, heading: str, lang: str) -> list[tuple[str, str | None]]:
-    scope = f"{heading} > " if heading else ""
+def _labels(block: Block) -> set[str]:
+    """What labels the block's values: a pair's label, a table's column headers (or first
+    cells), a "label: value" paragraph's label."""
     if block.kind == "pair":
-        return [(f"{scope}{block.label}: {block.text}", None)]
+        return {block.label.casefold()}
     if block.kind == "table":
-        return [(scope + _row(block.header, row), None) for row in block.rows] or [
-            (scope + "; ".join(block.header), None)
-        ]
+        names = block.header or tuple(row[0] for row in block.rows)
+        return {name.casefold() for name in names if name}
+    found = pair(block.text)
+    return {found[0].casefold()} if found else set()
+
+
+def _shared_labels(blocks: list[Block]) -> set[str]:
+    """Labels found under more than one heading."""
+    headings: defaultdict[str, set[str]] = defaultdict(set)
+    heading = ""
+    for block in blocks:
+        if block.kind == "heading":
+            heading = block.text
+        for label in _labels(block):
+            headings[label].add(heading)
+    return {label for label, under in headings.items() if len(under) > 1}
+
+
+def _facts(block: Block, scope: str, answers: bool, lang: str) -> list[_Fact]:
+    """The block's lines; `answers`: its heading asks a question, so no sentence is filler."""
+    scoped = bool(scope)
+    if block.kind == "pair":
+        return [_Fact(scope + block.labelled(), None, scoped)]
+    if block.kind == "table":
+        rows = [scope + _row(block.header, row) for row in block.rows]
+        return [_Fact(row, None, scoped) for row in rows or [scope + "; ".join(block.header)]]
     found = pair(block.text)
     if found is not None:
-        return [(f"{scope}{found[0]}: {found[1]}", None)]
-    label = f"{heading}: " if heading else ""
+        return [_Fact(f"{scope}{found[0]}: {found[1]}", None, scoped)]
     if block.kind == "item":
-        return [(label + block.text, None)]
+        return [_Fact(block.text, None, False)]
     return [
-        (label + sentence, None if carries_fact(sentence) else "filler")
+        _Fact(sentence, None if answers or carries_fact(sentence) else "filler", False)
         for sentence in sentences(block.text, lang)
     ]
 

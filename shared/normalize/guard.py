@@ -4,6 +4,7 @@ negation that no output line holds.
 
 from __future__ import annotations
 
+from shared.normalize.blocks import LAYOUT
 from shared.normalize.entities import canonical, entities, negation_windows
 from shared.normalize.render import Line
 
@@ -14,9 +15,9 @@ def guard(lines: list[Line]) -> list[Line]:
     have = {e for line in kept for e in entities(line.text)}
     text = canonical("\n".join(line.text for line in kept))
     for line in lines:
-        if line.drop is None or line.drop in ("duplicate", "filler", "page_number"):
+        if line.drop is None or line.drop in ("duplicate", "filler", *LAYOUT):
             # A duplicate's facts are in the line it repeats; filler has none by definition; a
-            # page number numbers the layout.
+            # page number numbers the layout, a menu link names a page.
             continue
         values = entities(line.text)
         negated = negation_windows(line.text)

@@ -4,16 +4,21 @@ markup reads the way a browser reads it.
 Never read: scripts, styles, templates, embedded objects and the `<head>`. Read but marked as
 furniture (dropped unless they hold a fact): navigation, forms, buttons, and anything whose
 id, class, role or label names cookies, consent, sharing, menus, breadcrumbs, newsletters or
-pop-ups. Footers are content: VAT numbers, phones and opening hours live there. A `tel:` or
-`mailto:` link whose text does not show its target gets the target after it, in brackets; so
-does an absolute http(s) link outside furniture (a menu's or share bar's targets would only be
-put back by the guard, as facts, and bring dozens).
+pop-ups. Footers are content: VAT numbers, phones and opening hours live there. The links of
+navigation (a `<nav>` or navigation role, and a header's, footer's or aside's list of nothing
+but links) name pages of the site: their text is dropped and never put back ("Warenkorb (0)"
+holds a count, not a fact of the document); a `tel:` or `mailto:` link there is not one of them.
+A `tel:` or `mailto:` link whose text does not show its target gets the target after it, in
+brackets; so does an absolute http(s) link outside furniture (a menu's or share bar's targets
+would only be put back by the guard, as facts, and bring dozens). A `<details>` block is a
+question and its answer (its `<summary>` and the rest): one label-value pair.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Literal
 from urllib.parse import unquote
 
 from selectolax.lexbor import LexborHTMLParser, LexborNode
@@ -83,7 +88,8 @@ _INLINE = frozenset(
     ]
 )
 _FURNITURE_TAGS = frozenset(["nav", "form", "button", "select", "dialog"])
-_FURNITURE_ROLES = frozenset(["navigation", "search", "dialog", "alertdialog", "menu", "menubar"])
+_NAVIGATION_ROLES = frozenset(["navigation", "menu", "menubar"])
+_FURNITURE_ROLES = frozenset(["search", "dialog", "alertdialog"]) | _NAVIGATION_ROLES
 _FURNITURE_HINT = re.compile(
     r"cookie|consent|gdpr|share|sharing|social|breadcrumb|navbar|menu|skip|newsletter|"
     r"popup|modal|subscribe",
@@ -91,15 +97,31 @@ _FURNITURE_HINT = re.compile(
 )
 _HEADINGS = frozenset(["h1", "h2", "h3", "h4", "h5", "h6"])
 _REGIONS = frozenset(["header", "footer", "aside"])
+_LISTS = frozenset(["ul", "ol"])
+# Schemes whose links carry a fact (a phone, an email), not the name of a page.
+_CONTACT_SCHEMES = ("tel:", "mailto:")
+# Where a node is: content; furniture (dropped unless it holds a fact); or navigation,
+# furniture whose page links are dropped for good.
+Region = Literal["content", "furniture", "navigation"]
 
 
 def html_blocks(text: str) -> list[Block]:
     tree = LexborHTMLParser(text)
     reader = _Reader()
     if tree.body is not None:
-        reader.walk(tree.body, furniture=False, kind="paragraph")
-        reader.flush("paragraph", furniture=False)
+        reader.walk(tree.body, "content", kind="paragraph")
+        reader.flush("paragraph", None)
     return reader.blocks
+
+
+def _region(node: LexborNode, outer: Region) -> Region:
+    if outer == "navigation" or _is_navigation(node):
+        return "navigation"
+    return "furniture" if outer == "furniture" or _is_furniture(node) else "content"
+
+
+def _drop(region: Region) -> DropReason | None:
+    return None if region == "content" else "furniture"
 
 
 def _is_furniture(node: LexborNode) -> bool:
@@ -110,18 +132,53 @@ def _is_furniture(node: LexborNode) -> bool:
     return _FURNITURE_HINT.search(hints) is not None
 
 
+def _is_navigation(node: LexborNode) -> bool:
+    """A menu: `<nav>`, a navigation role, or a list of page links in a page region (a footer's
+    "Imprint / Terms / Privacy"). Not a class hint: a restaurant's "menu" is content."""
+    if node.tag == "nav" or (node.attributes.get("role") or "") in _NAVIGATION_ROLES:
+        return True
+    if node.tag not in _LISTS or not _in_region(node):
+        return False
+    items = [child for child in node.iter() if child.tag == "li"]
+    return bool(items) and all(_only_a_page_link(item) for item in items)
+
+
+def _in_region(node: LexborNode) -> bool:
+    parent = node.parent
+    while parent is not None:
+        if parent.tag in _REGIONS:
+            return True
+        parent = parent.parent
+    return False
+
+
+def _only_a_page_link(item: LexborNode) -> bool:
+    links = item.css("a")
+    return (
+        len(links) == 1
+        and _names_a_page(links[0])
+        and inline(item.text(deep=True) or "") == inline(links[0].text(deep=True) or "")
+    )
+
+
+def _names_a_page(link: LexborNode) -> bool:
+    href = (link.attributes.get("href") or "").strip().lower()
+    return not href.startswith(_CONTACT_SCHEMES)
+
+
 class _Reader:
     def __init__(self) -> None:
         self.blocks: list[Block] = []
         self._buffer: list[str] = []
 
-    def flush(self, kind: BlockKind, furniture: bool) -> None:
+    def flush(self, kind: BlockKind, drop: DropReason | None) -> None:
         text = inline("".join(self._buffer))
         self._buffer.clear()
         if text:
-            self.blocks.append(Block(kind, text, drop="furniture" if furniture else None))
+            self.blocks.append(Block(kind, text, drop=drop))
 
-    def walk(self, node: LexborNode, furniture: bool, kind: BlockKind) -> None:
+    def walk(self, node: LexborNode, region: Region, kind: BlockKind) -> None:
+        furniture = region != "content"
         for child in node.iter(include_text=True):
             tag = child.tag or "-"
             if tag == "-text":
@@ -129,16 +186,21 @@ class _Reader:
             elif tag.startswith("-") or tag in _SKIP:
                 continue
             elif tag == "br":
-                self.flush(kind, furniture)
+                self.flush(kind, _drop(region))
+            elif tag == "a" and region == "navigation" and _names_a_page(child):
+                self.flush(kind, _drop(region))  # the menu's other text may hold a fact
+                self._buffer.append(_text_of(child, furniture))
+                self.flush(kind, "navigation")
             elif tag in _INLINE:
-                self.walk(child, furniture, kind)
+                self.walk(child, region, kind)
                 self._buffer.append(_link_target(child, furniture))
             else:
-                self._block(child, furniture or _is_furniture(child), kind)
+                # The text read so far is this node's, not the child's: it keeps this region.
+                self.flush(kind, _drop(region))
+                self._block(child, _region(child, region), kind)
 
-    def _block(self, node: LexborNode, furniture: bool, kind: BlockKind) -> None:
-        self.flush(kind, furniture)
-        tag = node.tag
+    def _block(self, node: LexborNode, region: Region, kind: BlockKind) -> None:
+        tag, furniture = node.tag, region != "content"
         if tag == "table":
             self._table(node, furniture)
         elif tag == "dl":
@@ -146,13 +208,15 @@ class _Reader:
         elif tag == "pre":
             for line in (node.text(deep=True) or "").splitlines():
                 self._buffer.append(line)
-                self.flush("paragraph", furniture)
+                self.flush("paragraph", _drop(region))
+        elif tag == "details" and (qa := _question_and_answer(node, furniture)):
+            self.blocks.append(Block("pair", qa[1], label=qa[0], drop=_drop(region)))
         else:
             if tag in _REGIONS:  # a page region's lines are not under the last heading read
                 self.blocks.append(Block("heading", ""))
             inner: BlockKind = "heading" if tag in _HEADINGS else "item" if tag == "li" else kind
-            self.walk(node, furniture, inner)
-            self.flush(inner, furniture)
+            self.walk(node, region, inner)
+            self.flush(inner, _drop(region))
 
     def _table(self, table: LexborNode, furniture: bool) -> None:
         header: tuple[str, ...] = ()
@@ -169,7 +233,7 @@ class _Reader:
                 rows.append(row)
         for caption in (c for c in table.iter() if c.tag == "caption"):
             self._buffer.append(_text_of(caption, furniture))
-            self.flush("heading", furniture)
+            self.flush("heading", "furniture" if furniture else None)
         if header or rows:
             drop: DropReason | None = "furniture" if furniture else None
             self.blocks.append(Block("table", header=header, rows=tuple(rows), drop=drop))
@@ -204,10 +268,26 @@ def _rows(table: LexborNode) -> Iterator[tuple[LexborNode, bool]]:
             yield child, False
 
 
+def _question_and_answer(details: LexborNode, furniture: bool) -> tuple[str, str] | None:
+    """A `<details>` block's summary and the rest, each on one line; None without a summary or
+    an answer, or when the rest holds a table or definitions (read as they are, then)."""
+    summary = next((c for c in details.iter() if c.tag == "summary"), None)
+    if summary is None or details.css_first("table, dl") is not None:
+        return None
+    question = _text_of(summary, furniture)
+    rest = (c for c in details.iter(include_text=True) if c.tag != "summary")
+    answer = _joined(rest, furniture)
+    return (question, answer) if question and answer else None
+
+
 def _text_of(node: LexborNode, furniture: bool) -> str:
     """All text under `node` on one line; block boundaries and `<br>` become spaces."""
+    return _joined(node.iter(include_text=True), furniture)
+
+
+def _joined(nodes: Iterable[LexborNode], furniture: bool) -> str:
     parts: list[str] = []
-    for child in node.iter(include_text=True):
+    for child in nodes:
         tag = child.tag or "-"
         if tag == "-text":
             parts.append(child.text(deep=False) or "")

@@ -14,8 +14,9 @@ class Line:
     text: str
     # Lines under the same heading share a section; duplicates are judged within one.
     section: int
-    # Why a rule leaves it out ("furniture", "header_footer", "page_number", "filler",
-    # "heading", "duplicate"); None: it is output. `guard` puts back any that holds a fact.
+    # Why a rule leaves it out ("furniture", "header_footer", "page_number", "navigation",
+    # "filler", "heading", "duplicate"); None: it is output. `guard` puts back any that
+    # holds a fact.
     drop: str | None = None
     restored: bool = False
 
@@ -34,7 +35,7 @@ def _plain(block: Block) -> list[str]:
     if block.kind == "item":
         return [f"- {block.text}"]
     if block.kind == "pair":
-        return [f"{block.label}: {block.text}"]
+        return [block.labelled()]
     if block.kind == "table":
         return [" | ".join(_trimmed(row)) for row in (block.header, *block.rows) if any(row)]
     return [block.text]
