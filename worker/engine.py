@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import llama_cpp
 from llama_cpp import Llama
@@ -18,6 +19,7 @@ from llama_cpp import Llama
 from shared.errors import CacheDisabled, ContextOverflow
 from shared.llm import render_warm, tokenize_parts
 from shared.prefix_cache import PrefixCache, common_prefix_len, restorable_tokens
+from worker.prompt_breaks import content_breaks
 from shared.schemas import (
     FinishReason,
     JobResult,
@@ -56,8 +58,10 @@ class Generation:
 @dataclass(frozen=True, slots=True)
 class _Prompt:
     tokens: list[int]
-    # Extra chunk ends: where a declared shared prefix ends.
+    # Extra chunk ends (see prompt_breaks).
     breaks: tuple[int, ...]
+    # The breaks hold the end of a declared shared prefix (a document), not the prompt's own.
+    declared: bool = True
 
     @property
     def limit(self) -> int:
@@ -67,6 +71,39 @@ class _Prompt:
 
 def chunk_breaks(*ends: int | None, limit: int) -> tuple[int, ...]:
     return tuple(sorted({end for end in ends if end is not None and 0 < end < limit}))
+
+
+def prompt_breaks(
+    llama: Llama, tokens: list[int], boundary: int | None, *ends: int | None, limit: int
+) -> tuple[int, ...]:
+    """A prompt's chunk ends besides the block grid: its declared prefix's end, or without
+    one, where its own text shows prompts part (worker/prompt_breaks.py); and `ends`."""
+    found = (boundary,) if boundary is not None else content_breaks(llama, tokens)
+    return chunk_breaks(*found, *ends, limit=limit)
+
+
+def snapshot_points(
+    breaks: Sequence[int],
+    start: int,
+    end: int,
+    *,
+    declared: bool,
+    truncatable: bool,
+    block_tokens: int,
+    min_tokens: int,
+) -> set[int]:
+    """Where a prefill saves states. With a declared prefix, at its end. Else at the first and
+    last break (a shared system prompt; a document before its question) and at the prefill's
+    end (what the conversation's next turn extends): without breaks, the end alone. For
+    memories that cannot be cut back, also the block boundary before the first point, so a
+    longer prompt sharing this one's start finds a state it may restore."""
+    first = min(breaks, default=end)
+    points = {first}
+    if not declared:
+        points |= {max((b for b in breaks if b <= end), default=end), end}
+    if not truncatable:
+        points.add(first - first % block_tokens)
+    return {p for p in points if start < p <= end and p >= min_tokens}
 
 
 class Engine:
@@ -121,7 +158,8 @@ class Engine:
         # Streamed tokens are prefilled after the prompt, which ends a chunk as it would alone.
         held = [*tokens, *streamed]
         resumed_from = len(tokens) - 1 if streamed else None
-        prompt = _Prompt(held, chunk_breaks(boundary, resumed_from, limit=len(held) - 1))
+        breaks = prompt_breaks(self.llama, tokens, boundary, resumed_from, limit=len(held) - 1)
+        prompt = _Prompt(held, breaks, declared=boundary is not None)
         cached, restore_ms = self._load_prefix(cache, prompt, started)
         prefill_started = time.perf_counter()
         self._prefill(cache, prompt, cached, prompt.limit)
@@ -150,26 +188,32 @@ class Engine:
         """
         if self.cache is None:
             raise CacheDisabled("the prefix cache is disabled: there is nowhere to warm into")
-        tokens, target = warm_target(self.llama, order, self.n_ctx)
-        cached, reached = self.load_prefix(order.cache_namespace, tokens, target, should_yield)
+        target = warm_target(self.llama, order, self.n_ctx)
+        prompt = _Prompt(target.tokens, target.breaks, target.declared)
+        cached, reached = self.load_prefix(order.cache_namespace, prompt, target.end, should_yield)
         if self._saver is not None:
             self._saver.flush()  # "warmed" means a request arriving now finds it on disk
-        return warm_result(target, cached, reached)
+        return warm_result(target.end, cached, reached)
+
+    def load_document(self, namespace: str | None, tokens: list[int], end: int) -> int:
+        """Make memory hold exactly a document prefix `tokens[:end]`; returns the tokens
+        restored (from memory or disk)."""
+        prompt = _Prompt(tokens, chunk_breaks(end, limit=len(tokens) - 1))
+        return self.load_prefix(namespace, prompt, end)[0]
 
     def load_prefix(
         self,
         namespace: str | None,
-        tokens: list[int],
+        prompt: _Prompt,
         target: int,
         should_yield: Callable[[], bool] | None = None,
     ) -> tuple[int, int]:
-        """Make memory hold exactly `tokens[:target]`, restoring what the cache has.
+        """Make memory hold exactly `prompt.tokens[:target]`, restoring what the cache has.
 
         `target` is the prompt's declared prefix end (or its last-but-one token). Returns
         (tokens restored, tokens held): fewer than `target` only when `should_yield` stopped it.
         """
         cache = self._enter_namespace(namespace)
-        prompt = _Prompt(tokens, chunk_breaks(target, limit=len(tokens) - 1))
         cached, _ = self._load_prefix(cache, prompt, time.perf_counter())
         cached = min(cached, target)
         reached = self._prefill(cache, prompt, cached, target, should_yield)
@@ -232,7 +276,8 @@ class Engine:
         if hit is None or hit.n_tokens <= in_memory:
             return in_memory
         if kv_state.restore(self.llama, hit.state, prompt.tokens, hit.n_tokens):
-            self._breaks = ()  # a state on disk ends at its only break
+            # Restorable only where the stored state's breaks below it are the prompt's.
+            self._breaks = tuple(b for b in prompt.breaks if b <= hit.n_tokens)
             return hit.n_tokens
         log.warning("cached state %s did not load into this context; prefilling", hit.key)
         self.forget()
@@ -255,7 +300,7 @@ class Engine:
         while position < end:
             position = self._eval_chunk(prompt, position, end)
             if position in snapshots or (position < end and should_yield and should_yield()):
-                self._snapshot(cache, prompt.tokens[:position])
+                self._snapshot(cache, prompt, position)
                 if position not in snapshots:
                     break
         self._prefilled = position
@@ -271,26 +316,24 @@ class Engine:
         self.llama.eval(prompt.tokens[position:chunk_end])
         return chunk_end
 
-    def _snapshot(self, cache: PrefixCache | None, tokens: list[int]) -> None:
-        if cache is None or self._saver is None or len(tokens) < self._min_snapshot_tokens:
+    def _snapshot(self, cache: PrefixCache | None, prompt: _Prompt, end: int) -> None:
+        if cache is None or self._saver is None or end < self._min_snapshot_tokens:
             return
-        self._saver.submit(cache, tokens, kv_state.capture(self.llama))
+        inside = tuple(b for b in prompt.breaks if b < end)
+        self._saver.submit(cache, prompt.tokens[:end], kv_state.capture(self.llama), inside)
 
     def _snapshot_points(self, prompt: _Prompt, start: int, end: int) -> set[int]:
-        """Where a prefill saves states: at the declared prefix end if there is one, else at
-        the last-but-one token; plus, for memories that cannot be cut back, the last block
-        boundary before it (so a longer prompt sharing this one's start finds a usable state).
-
-        A saved state never holds a break inside it: what follows a break was computed in
-        chunks only prompts with the same break share.
-        """
         if self._saver is None:
             return set()
-        first = min(prompt.breaks, default=end)
-        points = {first}
-        if not self.truncatable:
-            points.add(first - first % self.chunk_tokens)
-        return {p for p in points if start < p <= end and p >= self._min_snapshot_tokens}
+        return snapshot_points(
+            prompt.breaks,
+            start,
+            end,
+            declared=prompt.declared,
+            truncatable=self.truncatable,
+            block_tokens=self.chunk_tokens,
+            min_tokens=self._min_snapshot_tokens,
+        )
 
     def _decode(
         self,
@@ -324,13 +367,25 @@ class Engine:
         return decoded
 
 
-def warm_target(llama: Llama, order: WarmOrder, n_ctx: int) -> tuple[list[int], int]:
-    """A warm job's tokens and where its state ends: a document's end, else the last-but-one
-    token (what a later request restores whole)."""
+class WarmTarget(NamedTuple):
+    """A warm job's tokens, where its state ends, and its chunk ends (see prompt_breaks)."""
+
+    tokens: list[int]
+    end: int
+    breaks: tuple[int, ...]
+    declared: bool
+
+
+def warm_target(llama: Llama, order: WarmOrder, n_ctx: int) -> WarmTarget:
+    """A document's end, else the last-but-one token (what a later request restores whole)."""
     tokens, boundary = tokenize_parts(llama, render_warm(llama, order.item))
     if len(tokens) >= n_ctx:
         raise ContextOverflow(f"the prefix is {len(tokens)} tokens; n_ctx is {n_ctx}")
-    return tokens, boundary if boundary is not None else len(tokens) - 1
+    limit = len(tokens) - 1
+    breaks = prompt_breaks(llama, tokens, boundary, limit=limit)
+    if boundary is None:
+        return WarmTarget(tokens, limit, breaks, declared=False)
+    return WarmTarget(tokens, boundary, breaks, declared=True)
 
 
 def warm_result(target: int, cached: int, reached: int) -> WarmResult:

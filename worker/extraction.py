@@ -127,7 +127,7 @@ def extract(
     started = time.perf_counter()
     llama = engine.llama
     prefix, tails = document_prompts(llama, order.document, [q.question for q in order.questions])
-    cached, _ = engine.load_prefix(order.cache_namespace, prefix + tails[0], len(prefix))
+    cached = engine.load_document(order.cache_namespace, prefix + tails[0], len(prefix))
     prefilled = time.perf_counter()
     prompt_tokens = [len(prefix) + len(t) for t in tails]
     offset_ms = (prefilled - started) * 1000

@@ -16,20 +16,22 @@ from shared.prefix_cache import PrefixCache
 log = logging.getLogger(__name__)
 
 _STOP = None
+_Snapshot = tuple[PrefixCache, list[int], bytes, tuple[int, ...]]
 
 
 class PrefixSaver:
     def __init__(self, max_pending: int = 4) -> None:
-        self._pending: queue.Queue[tuple[PrefixCache, list[int], bytes] | None] = queue.Queue(
-            max_pending
-        )
+        self._pending: queue.Queue[_Snapshot | None] = queue.Queue(max_pending)
         self._thread = threading.Thread(target=self._run, name="prefix-saver", daemon=True)
         self.dropped = 0
         self._thread.start()
 
-    def submit(self, cache: PrefixCache, tokens: list[int], state: bytes) -> None:
+    def submit(
+        self, cache: PrefixCache, tokens: list[int], state: bytes, breaks: tuple[int, ...] = ()
+    ) -> None:
+        """`breaks`: where the prefill ended chunks inside `tokens` besides the block grid."""
         try:
-            self._pending.put_nowait((cache, tokens, state))
+            self._pending.put_nowait((cache, tokens, state, breaks))
         except queue.Full:
             self.dropped += 1
             log.warning("prefix cache writes are behind; dropped a %d-token snapshot", len(tokens))
@@ -44,9 +46,9 @@ class PrefixSaver:
 
     def _run(self) -> None:
         while (item := self._pending.get()) is not _STOP:
-            cache, tokens, state = item
+            cache, tokens, state, breaks = item
             try:
-                cache.save(tokens, state)
+                cache.save(tokens, state, breaks)
             except Exception:  # the cache must never take the worker down
                 log.exception("saving a prefix snapshot failed")
             finally:

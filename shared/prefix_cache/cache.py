@@ -31,10 +31,13 @@ from shared.prefix_cache.fingerprint import model_fingerprint
 from shared.prefix_cache.format import (
     FINGERPRINT,
     HEADER,
+    MAX_BREAKS,
+    Header,
     blob_key,
     blob_name,
     decode_blob,
     encode_blob,
+    head_bytes,
     hits_key,
     index_dir,
     name_tokens,
@@ -282,16 +285,19 @@ class PrefixCache:
         return out
 
     def _read_tokens(self, fp: str, name: str) -> list[int] | None:
+        head = self._read_head(fp, name)
+        return None if head is None else head[1]
+
+    def _read_head(self, fp: str, name: str) -> tuple[Header, list[int]] | None:
         parsed = parse_name(name)
         if parsed is None:
             return None
         n = parsed[0]
-        head_bytes = HEADER.size + len(fp.encode("utf-8")) + 4 * n
-        data = self._store.get_head(blob_key(fp, name), head_bytes)
+        data = self._store.get_head(blob_key(fp, name), head_bytes(fp, n))
         result = None if data is None else parse_head(data, fp)
         if result is None or result[0].n_tokens != n:
             return None
-        return result[1]
+        return result
 
     def _load(
         self, tokens: list[int], marker_dir: str, name: str, breaks: frozenset[int]
@@ -314,19 +320,30 @@ class PrefixCache:
                 self._forget, self._fp, name, None, self._block_tokens, marker_dir + name
             )
             return None
-        _, blob_tokens, state = decoded
+        header, blob_tokens, state = decoded
         common = common_prefix_len(blob_tokens, tokens)
-        usable = self.usable(common, len(blob_tokens), len(tokens) - 1, breaks)
+        usable = self.usable(common, len(blob_tokens), len(tokens) - 1, breaks, header.breaks)
         if usable < 1:
             return None
         self._best_effort(self._record_use, key, name)
         return CacheHit(usable, state, len(blob_tokens), blob_id)
 
     def usable(
-        self, common: int, blob_tokens: int, limit: int, breaks: Collection[int] = ()
+        self,
+        common: int,
+        blob_tokens: int,
+        limit: int,
+        breaks: Collection[int] = (),
+        stored_breaks: Collection[int] = (),
     ) -> int:
         return restorable_tokens(
-            common, blob_tokens, limit, self._block_tokens, self._truncatable, breaks
+            common,
+            blob_tokens,
+            limit,
+            self._block_tokens,
+            self._truncatable,
+            breaks,
+            stored_breaks,
         )
 
     def _best_effort(self, write: Callable[..., object], *args: object) -> None:
@@ -360,21 +377,28 @@ class PrefixCache:
 
     # ---- save -------------------------------------------------------------
 
-    def save(self, tokens_prefix: Sequence[int], state: bytes) -> bool:
+    def save(
+        self, tokens_prefix: Sequence[int], state: bytes, breaks: Sequence[int] = ()
+    ) -> bool:
         """Store ``state`` for ``tokens_prefix``; True if it is cached afterwards.
 
+        ``breaks``: where the prefill that computed it ended chunks inside it besides the block
+        grid (a state is restorable only for prompts with the same ones: `restorable_tokens`).
         Never raises: storage failures (disk full, read-only, NFS errors) are
         logged as warnings and skip caching.
         """
+        if len(breaks) > MAX_BREAKS:
+            logger.info("prefix cache: a state with %d breaks is not saved", len(breaks))
+            return False
         try:
-            return self._save(list(tokens_prefix), bytes(state))
+            return self._save(list(tokens_prefix), bytes(state), tuple(breaks))
         except OSError as exc:
             logger.warning("prefix cache: save skipped: %s", exc)
         except Exception:  # background thread: a cache bug must not kill the job
             logger.warning("prefix cache: save failed", exc_info=True)
         return False
 
-    def _save(self, tokens: list[int], state: bytes) -> bool:
+    def _save(self, tokens: list[int], state: bytes, breaks: tuple[int, ...]) -> bool:
         if not tokens or not state:
             return False
         chain = block_hashes(tokens, self._block_tokens, self._fp)
@@ -386,7 +410,7 @@ class PrefixCache:
         if self._store.stat(key) is not None and self._store.stat(top_marker) is not None:
             self._store.touch(key, now_s)  # dedupe: already stored and indexed
             return True
-        blob = encode_blob(self._fp, self._block_tokens, tokens, state)
+        blob = encode_blob(self._fp, self._block_tokens, tokens, state, breaks)
         if len(blob) > self._max_bytes:
             logger.warning("prefix cache: %d-byte state exceeds max_bytes, not cached", len(blob))
             return False
@@ -397,11 +421,14 @@ class PrefixCache:
             self._store.put(index_dir(self._fp, boundary.key) + name, b"", durable=False)
         self._count(bytes_written=len(blob))
         if self._truncatable:
-            self._drop_redundant(tokens, chain, bounds)
+            self._drop_redundant(tokens, breaks, chain, bounds)
         return True
 
-    def _drop_redundant(self, tokens: list[int], chain: list[str], bounds: list[Boundary]) -> None:
-        """Delete stored strict prefixes of ``tokens``: the new blob serves them.
+    def _drop_redundant(
+        self, tokens: list[int], breaks: tuple[int, ...], chain: list[str], bounds: list[Boundary]
+    ) -> None:
+        """Delete stored strict prefixes of ``tokens``: the new blob serves them, where both
+        were computed without breaks before the shorter one's end.
 
         Protected (hot) ones stay, since their smaller state restores faster.
         Each candidate is examined once, in the directory of its last boundary.
@@ -421,7 +448,10 @@ class PrefixCache:
                     continue
                 # One ending mid-block still serves its exact repeat in full; the new blob
                 # would serve it only cut back to the block boundary.
-                if n % self._block_tokens:
+                if n % self._block_tokens or any(b < n for b in breaks):
+                    continue
+                head = self._read_head(self._fp, marker)
+                if head is None or head[0].breaks:
                     continue
                 if self._hit_count(self._fp, marker) < self._hot_hits:
                     self._forget(self._fp, marker, tokens[:n], self._block_tokens, None)

@@ -1,8 +1,10 @@
 """How the prefix cache lays out its store: blob bytes, blob names and where files live.
 
-A blob is a header, the model fingerprint, the token ids and the KV state. Every byte is
-covered by a check: header fields by size/digest consistency, the fingerprint by comparison,
-tokens by SHA-256 and the state by BLAKE2b. Blob names are ``{n_tokens}-{prefix key}``.
+A blob is a header, the model fingerprint, the token ids, the state's breaks (version 2: where
+its prefill ended chunks besides the block grid, which decides what it may be restored for; see
+`restorable_tokens`) and the KV state. Every byte is covered by a check: header fields by
+size/digest consistency, the fingerprint by comparison, tokens and breaks by SHA-256 and the
+state by BLAKE2b. Blob names are ``{n_tokens}-{prefix key}``.
 Paths inside the store (``sh`` = first two hex chars of ``bkey``, to keep the index fan-out
 small)::
 
@@ -17,15 +19,20 @@ import hashlib
 import re
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from shared.prefix_cache.keys import KEY_HEX_CHARS, token_bytes, tokens_digest, tokens_from_bytes
+from shared.prefix_cache.keys import KEY_HEX_CHARS, token_bytes, tokens_from_bytes
 
 MAGIC = b"GRNYKV\r\n"  # \r\n: a text-mode copy that mangles newlines fails fast
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, FORMAT_VERSION)  # warmed caches survive an upgrade
 # magic, version, fingerprint length, block_tokens, n_tokens, payload length,
-# sha256(tokens), blake2b-256(payload).
+# sha256(tokens [+ breaks]), blake2b-256(payload).
 HEADER = struct.Struct("<8sHHIIQ32s32s")
+# Version 2: after the tokens, a count and that many positions, each below n_tokens.
+_COUNT = struct.Struct("<I")
+# More would make a head read unbounded; a prompt with more is not saved.
+MAX_BREAKS = 255
 # A fingerprint (or namespaced one) is a directory name: nothing that could climb out.
 FINGERPRINT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 _NAME = re.compile(rf"(\d+)-([0-9a-f]{{{KEY_HEX_CHARS}}})")
@@ -39,6 +46,8 @@ class Header:
     payload_bytes: int
     tokens_sha256: bytes
     payload_digest: bytes
+    version: int = FORMAT_VERSION
+    breaks: tuple[int, ...] = ()
 
     @property
     def tokens_offset(self) -> int:
@@ -46,15 +55,31 @@ class Header:
 
     @property
     def payload_offset(self) -> int:
-        return self.tokens_offset + 4 * self.n_tokens
+        breaks = 0 if self.version == 1 else _COUNT.size + 4 * len(self.breaks)
+        return self.tokens_offset + 4 * self.n_tokens + breaks
+
+
+def head_bytes(fingerprint: str, n_tokens: int) -> int:
+    """What a head read takes to hold every field `parse_head` checks, breaks included."""
+    fixed = HEADER.size + len(fingerprint.encode("utf-8")) + 4 * n_tokens
+    return fixed + _COUNT.size + 4 * MAX_BREAKS
 
 
 def _payload_digest(payload: bytes | memoryview) -> bytes:
     return hashlib.blake2b(payload, digest_size=32).digest()
 
 
-def encode_blob(fingerprint: str, block_tokens: int, tokens: Sequence[int], state: bytes) -> bytes:
+def encode_blob(
+    fingerprint: str,
+    block_tokens: int,
+    tokens: Sequence[int],
+    state: bytes,
+    breaks: Sequence[int] = (),
+) -> bytes:
+    if len(breaks) > MAX_BREAKS or any(not 0 < b < len(tokens) for b in breaks):
+        raise ValueError(f"a state's breaks are at most {MAX_BREAKS} positions inside it")
     fp = fingerprint.encode("utf-8")
+    listed = token_bytes(tokens) + _COUNT.pack(len(breaks)) + token_bytes(sorted(breaks))
     header = HEADER.pack(
         MAGIC,
         FORMAT_VERSION,
@@ -62,29 +87,44 @@ def encode_blob(fingerprint: str, block_tokens: int, tokens: Sequence[int], stat
         block_tokens,
         len(tokens),
         len(state),
-        tokens_digest(tokens),
+        hashlib.sha256(listed).digest(),
         _payload_digest(state),
     )
-    return b"".join((header, fp, token_bytes(tokens), state))
+    return b"".join((header, fp, listed, state))
 
 
 def parse_head(data: bytes, expected_fp: str) -> tuple[Header, list[int]] | None:
-    """Header and verified tokens, or None if anything is inconsistent."""
+    """Header and verified tokens, or None if anything is inconsistent. `data` may run on
+    past the head (see head_bytes)."""
     if len(data) < HEADER.size:
         return None
     magic, version, fp_len, block_tokens, n, payload_bytes, tok_sha, pay_dig = HEADER.unpack_from(
         data
     )
-    if magic != MAGIC or version != FORMAT_VERSION or block_tokens < 1:
+    if magic != MAGIC or version not in READABLE_VERSIONS or block_tokens < 1:
         return None
     fp = data[HEADER.size : HEADER.size + fp_len]
     if fp != expected_fp.encode("utf-8"):
         return None
-    header = Header(expected_fp, block_tokens, n, payload_bytes, tok_sha, pay_dig)
-    raw_tokens = data[header.tokens_offset : header.payload_offset]
-    if len(raw_tokens) != 4 * n or hashlib.sha256(raw_tokens).digest() != tok_sha:
+    header = Header(expected_fp, block_tokens, n, payload_bytes, tok_sha, pay_dig, version)
+    start = header.tokens_offset
+    listed_end = start + 4 * n
+    breaks: list[int] = []
+    if version > 1:
+        if len(data) < listed_end + _COUNT.size:
+            return None
+        (count,) = _COUNT.unpack_from(data, listed_end)
+        if count > MAX_BREAKS:
+            return None
+        breaks = tokens_from_bytes(data[listed_end + _COUNT.size : listed_end + 4 + 4 * count])
+        listed_end += _COUNT.size + 4 * count
+        if len(breaks) != count or any(not 0 < b < n for b in breaks):
+            return None
+    listed = data[start:listed_end]
+    if len(listed) != listed_end - start or hashlib.sha256(listed).digest() != tok_sha:
         return None
-    return header, tokens_from_bytes(raw_tokens)
+    header = replace(header, breaks=tuple(breaks))
+    return header, tokens_from_bytes(data[start : start + 4 * n])
 
 
 def decode_blob(data: bytes, expected_fp: str) -> tuple[Header, list[int], bytes] | None:

@@ -145,10 +145,6 @@ def prefix_key(
     return _digest(b"granary-prefix", bytes.fromhex(base), _U32.pack(n), tail).hex()
 
 
-def tokens_digest(tokens: Sequence[int]) -> bytes:
-    """sha256 of the token bytes, stored in blob headers."""
-    return hashlib.sha256(token_bytes(tokens)).digest()
-
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))

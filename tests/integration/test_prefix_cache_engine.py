@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.llm import load_llama
-from shared.prefix_cache import PrefixCache, open_cache
-from shared.schemas import JobRequest, WarmItem, WarmOrder, WarmResult
+from shared.llm import load_llama, tokenize
+from shared.prefix_cache import PrefixCache, common_prefix_len, open_cache
+from shared.schemas import JobRequest, WarmItem, WarmOrder, WarmResult, WorkOrder
 from shared.settings import Settings
 from shared.submission import work_order_for
 from tests.conftest import DATA_DIR
@@ -47,13 +47,20 @@ class Models:
         self.warm = Engine(self.llama, BLOCK, self.cache, self.saver, 16, Speculator(None, "t"))
         self.cold = Engine(self.llama, BLOCK, speculator=Speculator(None, "t"))
 
-    def run(self, engine: Engine, prompt: str, max_tokens: int = 32) -> Generation:
+    def run(self, engine: Engine, prompt: str | JobRequest, max_tokens: int = 32) -> Generation:
         engine.forget()
-        request = JobRequest(prompt=prompt, max_tokens=max_tokens, temperature=0)
-        order = work_order_for(self.llama, request, n_ctx=1024, default_max_tokens=max_tokens)
+        order = self.order(prompt, max_tokens)
         generation = engine.generate(order, lambda _i, _t: False)
         self.saver.flush()
         return generation
+
+    def order(self, prompt: str | JobRequest, max_tokens: int = 32) -> WorkOrder:
+        request = (
+            JobRequest(prompt=prompt, max_tokens=max_tokens, temperature=0)
+            if isinstance(prompt, str)
+            else prompt
+        )
+        return work_order_for(self.llama, request, n_ctx=1024, default_max_tokens=max_tokens)
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"])
@@ -214,3 +221,42 @@ def test_a_document_with_control_token_text_warms_and_answers_as_cold(models: Mo
     hot = ask(models, models.warm, QUESTIONS[0], document=forged)
     assert hot.usage.cached_tokens == result.prefix_tokens == hot.prefix_tokens
     assert hot.result.text == cold.result.text
+
+
+# --- a document inside a plain prompt or a chat message: no `document` field to say where ----
+
+# Three paragraphs, the question after a blank line: how tools put a document in a prompt.
+PAGE = "\n\n".join(
+    " ".join(f"Crate {i} holds {i * 7 % 13} pears for shop {i % 5}." for i in range(k, k + 8))
+    for k in (0, 8, 16)
+)
+
+
+def inline(form: str, question: str) -> JobRequest:
+    if form == "prompt":
+        return JobRequest(prompt=f"{PAGE}\n\nQuestion: {question}\nAnswer:", temperature=0)
+    messages = [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": f"{PAGE}\n\n{question}"},
+    ]
+    return JobRequest.model_validate({"messages": messages, "temperature": 0})
+
+
+@pytest.mark.parametrize("form", ["prompt", "messages"])
+def test_a_document_inside_the_prompt_is_reused_up_to_its_question(
+    models: Models, form: str
+) -> None:
+    if form == "messages" and not models.llama.metadata.get("tokenizer.chat_template"):
+        pytest.skip("this model has no chat template: its clients send prompts")
+    models.cache.clear()
+    first, second = (inline(form, question) for question in QUESTIONS)
+    models.run(models.warm, first)  # leaves its snapshots, the document's end among them
+    cold = models.run(models.cold, second)
+    hot = models.run(models.warm, second)
+    shared = common_prefix_len(
+        *(tokenize(models.llama, models.order(r).prompt) for r in (first, second))
+    )
+    assert shared % BLOCK > 16  # whole blocks alone would lose more than 16 tokens
+    assert shared - 16 <= hot.usage.cached_tokens <= shared
+    assert hot.result.text == cold.result.text
+    assert cold.usage.completion_tokens == 32  # a real comparison, not an early stop

@@ -9,6 +9,9 @@ from typing import Any
 
 import httpx
 
+from shared.llm import load_llama, render_prompt, tokenize
+from shared.prefix_cache import common_prefix_len
+from shared.schemas import JobRequest
 from tests.harness import Stack
 from tests.integration.test_job_path import events, submit
 
@@ -120,3 +123,58 @@ def test_budget_evicts_and_holds(stack_factory: Callable[..., Stack]) -> None:
     assert on_disk <= budget
     assert 1 <= len(blobs(stack)) <= 2
     assert cache_report(stack)["evictions"] >= 2
+
+
+PAGE = "\n\n".join(
+    " ".join(f"Invoice {i}: {i * 3 % 17} boxes of tea shipped to Lyon." for i in range(k, k + 9))
+    for k in (0, 9, 18)
+)
+
+
+def _chat(stack: Stack, question: str) -> dict[str, Any]:
+    body = {
+        "model": "x",
+        "messages": _chat_body(question),
+        "max_tokens": 16,
+        "temperature": 0,
+    }
+    response = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    answer: dict[str, Any] = response.json()
+    return answer
+
+
+def _shared_tokens(stack: Stack, *questions: str) -> int:
+    llama = load_llama(stack.settings, vocab_only=True)
+    try:
+        prompts = [
+            tokenize(llama, render_prompt(llama, JobRequest(messages=_chat_body(q))))
+            for q in questions
+        ]
+    finally:
+        llama.close()
+    return common_prefix_len(*prompts)
+
+
+def _chat_body(question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"{PAGE}\n\n{question}"}]
+
+
+def test_a_document_in_a_chat_message_is_restored_whole_for_the_next_question(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    """No `document` field: the message's last paragraph start is where the question parts."""
+    stack = stack_factory(cache=CACHE)
+    first, second = "Which invoices shipped 5 boxes?", "How many boxes did invoice 7 ship?"
+    cold = _chat(stack, second)
+    for blob in blobs(stack):  # the next run must not find this question's own states
+        blob.unlink()
+    restart_worker(stack, "worker-1", "worker-2")
+    _chat(stack, first)
+    restart_worker(stack, "worker-2", "worker-3")  # memory gone: only the disk can help
+    warm = _chat(stack, second)
+    shared = _shared_tokens(stack, first, second)
+    assert shared % CACHE["block_tokens"] > 16  # whole blocks alone would leave more out
+    cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert shared - 16 <= cached <= shared
+    assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]

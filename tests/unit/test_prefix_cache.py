@@ -302,6 +302,26 @@ def test_lookup_restores_a_document_prefix_ending_mid_block() -> None:
     assert hit is not None and hit.n_tokens == 20
 
 
+def test_a_state_restores_whole_only_for_prompts_with_its_breaks() -> None:
+    """A state is saved with where its prefill ended chunks (here also at 12, a message's
+    start): only a prompt whose cold prefill ends chunks there too may restore past it."""
+    cache = make_cache()
+    assert cache.save(P, state_for(P), breaks=(12,))
+    prompt = [*P, 7, 8, 9]
+    hit = cache.lookup(prompt, breaks=(12, 20))
+    assert hit is not None and hit.n_tokens == 20
+    # Without the break at 12 a cold run computes [8, 16) in one chunk: only block 0 matches.
+    hit = cache.lookup(prompt, breaks=(20,))
+    assert hit is not None and hit.n_tokens == 8
+
+
+def test_a_longer_state_with_breaks_leaves_a_shorter_one_without() -> None:
+    cache = saved(True, P[:16])
+    assert cache.save(P, state_for(P), breaks=(12,))
+    hit = cache.lookup([*P[:16], 5])  # a prompt chunked on the grid alone, to block 16
+    assert hit is not None and hit.n_tokens == 16
+
+
 @pytest.mark.parametrize("truncatable", [True, False])
 def test_random_lookups_match_brute_force(truncatable: bool) -> None:
     rng = random.Random(1234 + truncatable)
@@ -456,6 +476,9 @@ def _corrupt_then_lookup(tmp_path: Path, damage: str) -> tuple[CacheHit | None, 
         data = data[: len(data) // 2]
     elif damage == "foreign":
         data = bytearray(encode_blob("0ther", B, P, state_for(P)))
+    elif damage == "breaks":  # a break moved from 12 to 13: covered by the tokens' digest
+        data = bytearray(encode_blob(FP, B, P, state_for(P), breaks=(12,)))
+        data[len(data) - len(state_for(P)) - 4] ^= 0x01
     elif damage == "wrong_tokens":
         other = [*P[:-1], 77]
         data = bytearray(encode_blob(FP, B, other, state_for(other)))
@@ -464,7 +487,7 @@ def _corrupt_then_lookup(tmp_path: Path, damage: str) -> tuple[CacheHit | None, 
 
 
 @pytest.mark.parametrize(
-    "damage", ["payload", "header", "tokens", "truncated", "foreign", "wrong_tokens"]
+    "damage", ["payload", "header", "tokens", "breaks", "truncated", "foreign", "wrong_tokens"]
 )
 def test_damaged_blob_is_a_miss_and_removed(
     tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture

@@ -34,8 +34,8 @@ from worker.engine import (
     Generation,
     OnToken,
     TextSink,
-    chunk_breaks,
     end_text,
+    prompt_breaks,
     warm_result,
     warm_target,
 )
@@ -117,12 +117,13 @@ class ConclaveEngine:
             return _generation(decoded, usage, boundary)
         request = StreamRequest(
             held,
-            chunk_breaks(boundary, resumed_from, limit=len(held) - 1),
+            prompt_breaks(self.llama, tokens, boundary, resumed_from, limit=len(held) - 1),
             order.cache_namespace,
             priority,
             max_new=max_tokens - decoded.count,
             sampling=Sampling(order.temperature, order.top_p, order.seed),
             document=_document(order, boundary),
+            declared=boundary is not None,
         )
         sink = TextSink(self.llama, text, decoded, max_tokens, on_token)
         handle = self.conclave.handle(request, lambda event: sink.push(event.token))
@@ -146,25 +147,26 @@ class ConclaveEngine:
         """Compute a prefix into the cache (see Engine.warm), at the lowest priority."""
         if self.cache is None:
             raise CacheDisabled("the prefix cache is disabled: there is nowhere to warm into")
-        tokens, target = warm_target(self.llama, order, self.n_ctx)
+        target = warm_target(self.llama, order, self.n_ctx)
         request = StreamRequest(
-            tokens,
-            chunk_breaks(target, limit=len(tokens) - 1),
+            target.tokens,
+            target.breaks,
             order.cache_namespace,
             WARM,
             max_new=0,
-            end=target,
+            end=target.end,
             # Warmed, the document is in memory too: its next question is best served here.
             document=None
             if order.item.document is None
-            else (prefix_id(order.item, order.cache_namespace), target),
+            else (prefix_id(order.item, order.cache_namespace), target.end),
+            declared=target.declared,
         )
         with self.conclave.submit(self.conclave.handle(request)) as handle:
-            cached = min(wait_started(handle).cached_tokens, target)
+            cached = min(wait_started(handle).cached_tokens, target.end)
             reached = _wait_prefilled(handle, should_stop)
         if self._saver is not None:
             self._saver.flush()  # "warmed" means a request arriving now finds it on disk
-        return warm_result(target, cached, reached)
+        return warm_result(target.end, cached, reached)
 
 
 def _document(order: WorkOrder, boundary: int | None) -> tuple[str, int] | None:

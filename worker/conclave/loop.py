@@ -45,6 +45,7 @@ from worker.conclave.streams import (
     Token,
 )
 from worker.decode_batch import fill_batch
+from worker.engine import snapshot_points
 from worker.multi_sequence import sample
 from worker.prefix_saver import PrefixSaver
 from worker.speculation.near_tie import TIE_MARGIN, is_near_tie
@@ -280,14 +281,15 @@ class Conclave:
         return 0
 
     def _snapshot_points(self, request: StreamRequest, start: int) -> set[int]:
-        """As the one-job engine: the declared prefix end (or the last-but-one token), plus,
-        for memories that cannot be cut back, the block boundary before it."""
-        end = request.prefill_end
-        first = min((b for b in request.breaks if b <= end), default=end)
-        points = {first}
-        if not self._truncatable:
-            points.add(first - first % self._block_tokens)
-        return {p for p in points if start < p <= end and p >= self._min_snapshot_tokens}
+        return snapshot_points(
+            request.breaks,
+            start,
+            request.prefill_end,
+            declared=request.declared,
+            truncatable=self._truncatable,
+            block_tokens=self._block_tokens,
+            min_tokens=self._min_snapshot_tokens,
+        )
 
     def _prefill_one(self) -> bool:
         """Decode one canonical chunk of the stream whose turn it is."""
@@ -327,7 +329,8 @@ class Conclave:
             cache = self._cache_for(request.namespace)
             if cache is not None and self._saver is not None:
                 state = kv_state.capture(self.llama, stream.seq)
-                self._saver.submit(cache, request.tokens[:chunk_end], state)
+                inside = tuple(b for b in request.breaks if b < chunk_end)
+                self._saver.submit(cache, request.tokens[:chunk_end], state, inside)
         self._prefilled_to(stream)
 
     def _prefilled_to(self, stream: _Stream) -> None:

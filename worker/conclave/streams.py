@@ -39,7 +39,7 @@ class StreamRequest:
     """One sequence's work: hold `tokens[:prefill_end]` in memory, then decode `max_new`."""
 
     tokens: list[int]
-    # Extra chunk ends (where a declared shared prefix ends); see shared.prefix_cache.
+    # Extra chunk ends (worker.engine.prompt_breaks); see shared.prefix_cache.
     breaks: tuple[int, ...]
     namespace: str | None
     priority: int
@@ -55,6 +55,9 @@ class StreamRequest:
     # The document prefix the prompt starts with: (its prefix id, its tokens). Once memory
     # holds all of it, the worker advertises it, so routing sends its next question here.
     document: tuple[str, int] | None = None
+    # The breaks hold a declared shared prefix's end (a document), not the prompt's own
+    # (worker.engine.snapshot_points).
+    declared: bool = True
 
     def __post_init__(self) -> None:
         if not self.tokens:

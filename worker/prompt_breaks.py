@@ -1,0 +1,94 @@
+"""Where a prompt's prefill ends a chunk besides the block grid, chosen from its own tokens.
+
+A restore may end only where both the stored state's prefill and the new prompt's own cold
+prefill ended a chunk (`shared.prefix_cache.restorable_tokens`). On the block grid alone, two
+prompts that hold the same document followed by different questions (what OpenAI clients and
+most tools send: the document inside a chat message or a plain prompt) share only the whole
+256-token blocks before the document's end, and the rest of the document is prefilled again.
+So a prompt without a declared document prefix also ends chunks where prompts part:
+
+- at the start of each stretch of text between the chat template's control tokens (a
+  message's content: the messages before it, the system prompt above all, are shared whole);
+- at the start of each stretch's last paragraph (after a blank line): where a question
+  follows the document it asks about.
+
+Only stretches of at least `MIN_STRETCH` tokens count (a role name or a short reply is not
+worth a chunk of its own), and a point closer than `MIN_STRETCH` to the prompt's start or to
+the stretch's start is no break. Each break costs a few milliseconds of prefill (one more,
+shorter chunk); there are at most two per long stretch. The points depend on the prompt's
+tokens alone, never on what is cached, so greedy output is the same with the cache as
+without it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import llama_cpp
+from llama_cpp import Llama
+
+# Stretches (and distances) shorter than this get no break.
+MIN_STRETCH = 32
+_CONTROL = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+
+
+class _Pieces:
+    """What the break rule needs to know of a token, read from the vocabulary on first use."""
+
+    def __init__(self, llama: Llama) -> None:
+        self._llama = llama
+        self._vocab = llama_cpp.llama_model_get_vocab(llama.model)
+        # token -> None for a control token, else (blank: only whitespace, newlines it ends
+        # with, counted across spaces and tabs)
+        self._known: dict[int, tuple[bool, int] | None] = {}
+
+    def kind(self, token: int) -> tuple[bool, int] | None:
+        if token in self._known:
+            return self._known[token]
+        result: tuple[bool, int] | None
+        if llama_cpp.llama_vocab_get_attr(self._vocab, token) & _CONTROL:
+            result = None
+        else:
+            text = self._llama.detokenize([token], special=False).decode("utf-8", "replace")
+            tail = text[len(text.rstrip(" \t\r\n")) :]
+            result = (text.strip() == "", tail.count("\n"))
+        self._known[token] = result
+        return result
+
+
+_of_model: weakref.WeakKeyDictionary[Llama, _Pieces] = weakref.WeakKeyDictionary()
+
+
+def content_breaks(llama: Llama, tokens: Sequence[int]) -> tuple[int, ...]:
+    """The chunk ends `tokens` gets besides the block grid (see the module's docstring)."""
+    pieces = _of_model.get(llama)
+    if pieces is None:
+        pieces = _of_model[llama] = _Pieces(llama)
+    breaks: set[int] = set()
+    start = 0  # of the current stretch
+    last_paragraph: int | None = None
+    newlines = 0  # ending the text so far
+    for position, token in enumerate(tokens):
+        kind = pieces.kind(token)
+        if kind is None:
+            _close_stretch(breaks, start, last_paragraph, position)
+            start, last_paragraph, newlines = position + 1, None, 0
+            continue
+        blank, trailing = kind
+        if blank:
+            newlines += trailing
+            continue
+        if newlines >= 2 and position > start:
+            last_paragraph = position
+        newlines = trailing
+    _close_stretch(breaks, start, last_paragraph, len(tokens))
+    return tuple(sorted(b for b in breaks if b >= MIN_STRETCH))
+
+
+def _close_stretch(breaks: set[int], start: int, last_paragraph: int | None, end: int) -> None:
+    if end - start < MIN_STRETCH:
+        return
+    breaks.add(start)
+    if last_paragraph is not None and last_paragraph - start >= MIN_STRETCH:
+        breaks.add(last_paragraph)
