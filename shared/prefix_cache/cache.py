@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class CacheHit:
     n_tokens: int  # restore the state, then keep only this many tokens
-    state: bytes
+    state: memoryview  # read-only, into the blob as read (a mapped file: no copy)
     blob_tokens: int  # tokens the state actually holds (>= n_tokens)
     key: str
 

@@ -79,7 +79,7 @@ def encode_blob(fingerprint: str, block_tokens: int, tokens: Sequence[int], stat
     return b"".join((header, fp, token_bytes(tokens), state))
 
 
-def parse_head(data: bytes, expected_fp: str) -> tuple[Header, list[int]] | None:
+def parse_head(data: bytes | memoryview, expected_fp: str) -> tuple[Header, list[int]] | None:
     """Header and verified tokens, or None if anything is inconsistent."""
     if len(data) < HEADER.size:
         return None
@@ -98,8 +98,10 @@ def parse_head(data: bytes, expected_fp: str) -> tuple[Header, list[int]] | None
     return header, tokens_from_bytes(raw_tokens)
 
 
-def decode_blob(data: bytes, expected_fp: str) -> tuple[Header, list[int], bytes] | None:
-    """Fully verified (header, tokens, state) or None."""
+def decode_blob(
+    data: bytes | memoryview, expected_fp: str
+) -> tuple[Header, list[int], memoryview] | None:
+    """Fully verified (header, tokens, state) or None; the state is a view into `data`."""
     parsed = parse_head(data, expected_fp)
     if parsed is None:
         return None
@@ -109,7 +111,7 @@ def decode_blob(data: bytes, expected_fp: str) -> tuple[Header, list[int], bytes
     payload = memoryview(data)[header.payload_offset :]
     if _payload_digest(header.version, payload) != header.payload_digest:
         return None
-    return header, tokens, bytes(payload)
+    return header, tokens, payload
 
 
 def name_tokens(name: str) -> int:

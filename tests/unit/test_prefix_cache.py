@@ -50,7 +50,7 @@ class CountingStore:
         self.calls["put"] += 1
         self.inner.put(key, data, durable=durable)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> memoryview | None:
         self.calls["get"] += 1
         return self.inner.get(key)
 
@@ -383,7 +383,7 @@ def test_warm_runs_compute_the_same_cells_as_cold_runs(truncatable: bool) -> Non
         if hit is not None:
             if not truncatable:
                 assert hit.n_tokens == hit.blob_tokens
-            cells = json.loads(hit.state)[: hit.n_tokens]
+            cells = json.loads(bytes(hit.state))[: hit.n_tokens]
         restored = len(cells)
         cells += _cells(prompt, restored, limit, block)
         assert cells == _cells(prompt, 0, limit, block), (prompt, restored)
@@ -443,8 +443,10 @@ def test_save_ignores_empty_input() -> None:
 # ---- corruption -------------------------------------------------------------------
 
 
-def _corrupt_then_lookup(tmp_path: Path, damage: str) -> tuple[CacheHit | None, PrefixCache]:
-    store = DirectoryBlobStore(tmp_path)
+def _corrupt_then_lookup(
+    tmp_path: Path, damage: str, map_reads: bool
+) -> tuple[CacheHit | None, PrefixCache]:
+    store = DirectoryBlobStore(tmp_path, map_reads=map_reads)
     cache = saved(True, P, store=store)
     (path,) = blob_files(tmp_path)
     data = bytearray(path.read_bytes())
@@ -482,11 +484,12 @@ def _corrupt_then_lookup(tmp_path: Path, damage: str) -> tuple[CacheHit | None, 
         "wrong_tokens",
     ],
 )
+@pytest.mark.parametrize("map_reads", [True, False])
 def test_damaged_blob_is_a_miss_and_removed(
-    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, damage: str, map_reads: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING):
-        hit, cache = _corrupt_then_lookup(tmp_path, damage)
+        hit, cache = _corrupt_then_lookup(tmp_path, damage, map_reads)
     assert hit is None
     assert blob_files(tmp_path) == []
     assert "corrupt" in caplog.text
