@@ -21,6 +21,7 @@ from bench import (
     job_path,
     machine,
     prefix_cache,
+    restore,
     result_cache,
     routing,
     speculation,
@@ -75,6 +76,11 @@ def _prefix_cache_sections(redis_url: str, log_dir: Path, quick: bool) -> list[s
         _settings(redis_url, "smollm2-135m"), n_docs=20 if quick else 100
     )
     return [prefix_cache.TTFT_HEADER + "\n".join(rows) + "\n", storage]
+
+
+def _restore_section(redis_url: str, log_dir: Path, quick: bool) -> str:
+    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096)
+    return restore.section(settings, log_dir / "restore-kv", rounds=5 if quick else 15)
 
 
 def _result_cache_section(redis_url: str, log_dir: Path, quick: bool) -> str:
@@ -173,6 +179,7 @@ def main() -> None:
         choices=[
             "job_path",
             "prefix_cache",
+            "restore",
             "result_cache",
             "warm",
             "extraction",
@@ -216,6 +223,7 @@ def main() -> None:
         suites: dict[str, Callable[[], list[str]]] = {
             "job_path": lambda: [_job_path_section(redis_url, log_dir, args.quick)],
             "prefix_cache": lambda: _prefix_cache_sections(redis_url, log_dir, args.quick),
+            "restore": lambda: [_restore_section(redis_url, log_dir, args.quick)],
             "result_cache": lambda: [_result_cache_section(redis_url, log_dir, args.quick)],
             "warm": lambda: [_warm_section(redis_url, log_dir, args.quick)],
             "extraction": lambda: [_extraction_section(redis_url, log_dir)],

@@ -19,7 +19,6 @@ from llama_cpp import Llama
 from shared.errors import CacheDisabled, ContextOverflow
 from shared.llm import render_warm, tokenize_parts
 from shared.prefix_cache import PrefixCache, common_prefix_len, restorable_tokens
-from worker.prompt_breaks import content_breaks
 from shared.schemas import (
     FinishReason,
     JobResult,
@@ -32,6 +31,7 @@ from shared.schemas import (
 )
 from worker import kv_state
 from worker.prefix_saver import PrefixSaver
+from worker.prompt_breaks import content_breaks
 from worker.resume import text_stream
 from worker.speculation import Speculator, drafts
 from worker.text_stream import TextStream

@@ -9,6 +9,9 @@ Contract (checked by tests/unit/test_blob_store.py against every store):
 * ``put`` replaces the whole object atomically: readers see the old bytes or
   the new bytes, never a mix. ``durable=False`` may skip fsync (index
   markers: losing one only costs a cache miss).
+* ``get`` returns the whole object as a read-only view that keeps the bytes it was read with,
+  even if the key is replaced or deleted meanwhile (objects are never changed in place, so a
+  directory store can map the file instead of copying it).
 * ``get``/``get_head``/``stat`` return ``None`` for a missing key.
 * ``list`` returns sorted immediate child names (objects and sub-prefixes);
   a sub-prefix disappears once its last object is deleted.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import mmap
 import os
 import re
 import threading
@@ -28,10 +32,17 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
 _PUT_RETRIES = 3
+# File systems on which a mapped file keeps its pages until unmapped, even once replaced or
+# unlinked. On a network file system another host's delete can take a page away, and reading
+# that page through a mapping is SIGBUS, not an OSError: there `get` reads instead.
+MAPPABLE_FILE_SYSTEMS = frozenset(
+    {"btrfs", "ext2", "ext3", "ext4", "f2fs", "overlay", "tmpfs", "xfs", "zfs"}
+)
+_OCTAL = re.compile(r"\\([0-7]{3})")  # /proc/self/mounts writes a space in a path as \040
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +61,7 @@ class BlobEntry:
 class BlobStore(Protocol):
     def put(self, key: str, data: bytes, *, durable: bool = True) -> None: ...
 
-    def get(self, key: str) -> bytes | None: ...
+    def get(self, key: str) -> memoryview | None: ...
 
     def get_head(self, key: str, n_bytes: int) -> bytes | None:
         """First ``n_bytes`` bytes (fewer if the object is shorter)."""
@@ -92,10 +103,12 @@ class DirectoryBlobStore:
     Atomicity comes from write-to-unique-temp + ``os.replace`` in the same
     directory, so no locks are needed. Empty directories are removed on
     delete; ``put`` retries if a concurrent delete removed its directory.
+    ``map_reads``: whether ``get`` maps files; by default where the file system is local.
     """
 
-    def __init__(self, root: Path | str) -> None:
+    def __init__(self, root: Path | str, *, map_reads: bool | None = None) -> None:
         self.root = Path(root)
+        self._map_reads = _mappable(self.root) if map_reads is None else map_reads
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*split_key(key))
@@ -111,10 +124,10 @@ class DirectoryBlobStore:
                 if attempt == _PUT_RETRIES - 1:
                     raise
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> memoryview | None:
         try:
             with open(self._path(key), "rb") as f:
-                return f.read()
+                return _mapped(f) if self._map_reads else memoryview(f.read())
         except (FileNotFoundError, NotADirectoryError):
             return None
 
@@ -186,6 +199,43 @@ class DirectoryBlobStore:
             except OSError:
                 return  # not empty (or already gone / not ours): stop climbing
             directory = directory.parent
+
+
+def _mapped(f: BinaryIO) -> memoryview:
+    """The file's pages in the page cache, mapped read-only: no copy and no fresh memory, which
+    costs more than the copy itself on a VM (37 MB: 22 ms into a new buffer, 6 ms into an
+    existing one). Populated at once rather than faulted in page by page; unmapped when the
+    last view of it goes."""
+    size = os.fstat(f.fileno()).st_size
+    if size == 0:
+        return memoryview(b"")  # mmap refuses an empty file
+    flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+    return memoryview(mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ))
+
+
+def _mappable(root: Path) -> bool:
+    try:
+        mounts = Path("/proc/self/mounts").read_text()
+    except OSError:
+        return False  # not Linux: nothing known about the file system, so read
+    return file_system(root, mounts) in MAPPABLE_FILE_SYSTEMS
+
+
+def file_system(path: Path, mounts: str) -> str:
+    """Type of the file system holding `path`, given /proc/self/mounts ("" if none matches).
+
+    The deepest mount point above `path` wins, and the later of two on one point (it is on top).
+    """
+    path = path.resolve()
+    found, depth = "", -1
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = Path(_OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[1]))
+        if len(mount.parts) >= depth and (mount == path or mount in path.parents):
+            found, depth = fields[2], len(mount.parts)
+    return found
 
 
 def _write_atomic(path: Path, data: bytes, *, durable: bool) -> None:
@@ -267,14 +317,14 @@ class MemoryBlobStore:
             node = child
         return node
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> memoryview | None:
         with self._lock:
             obj = self._find(key)
-            return None if obj is None else obj.data
+            return None if obj is None else memoryview(obj.data)
 
     def get_head(self, key: str, n_bytes: int) -> bytes | None:
         data = self.get(key)
-        return None if data is None else data[:n_bytes]
+        return None if data is None else bytes(data[:n_bytes])
 
     def stat(self, key: str) -> BlobStat | None:
         with self._lock:

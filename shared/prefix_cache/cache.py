@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class CacheHit:
     n_tokens: int  # restore the state, then keep only this many tokens
-    state: bytes
+    state: memoryview  # read-only, into the blob as read (a mapped file: no copy)
     blob_tokens: int  # tokens the state actually holds (>= n_tokens)
     key: str
 
@@ -377,9 +377,7 @@ class PrefixCache:
 
     # ---- save -------------------------------------------------------------
 
-    def save(
-        self, tokens_prefix: Sequence[int], state: bytes, breaks: Sequence[int] = ()
-    ) -> bool:
+    def save(self, tokens_prefix: Sequence[int], state: bytes, breaks: Sequence[int] = ()) -> bool:
         """Store ``state`` for ``tokens_prefix``; True if it is cached afterwards.
 
         ``breaks``: where the prefill that computed it ended chunks inside it besides the block

@@ -1,10 +1,11 @@
 """How the prefix cache lays out its store: blob bytes, blob names and where files live.
 
-A blob is a header, the model fingerprint, the token ids, the state's breaks (version 2: where
-its prefill ended chunks besides the block grid, which decides what it may be restored for; see
-`restorable_tokens`) and the KV state. Every byte is covered by a check: header fields by
-size/digest consistency, the fingerprint by comparison, tokens and breaks by SHA-256 and the
-state by BLAKE2b. Blob names are ``{n_tokens}-{prefix key}``.
+A blob is a header, the model fingerprint, the token ids, the state's breaks (since version 2:
+where its prefill ended chunks besides the block grid, which decides what it may be restored
+for; see `restorable_tokens`) and the KV state. Every byte is covered by a check: header fields
+by size/digest consistency, the fingerprint by comparison, tokens and breaks by SHA-256 and the
+state by XXH3-128 (version 1 blobs, still read: no breaks, BLAKE2b-256). Blob names are
+``{n_tokens}-{prefix key}``.
 Paths inside the store (``sh`` = first two hex chars of ``bkey``, to keep the index fan-out
 small)::
 
@@ -21,15 +22,18 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import xxhash
+
 from shared.prefix_cache.keys import KEY_HEX_CHARS, token_bytes, tokens_from_bytes
 
 MAGIC = b"GRNYKV\r\n"  # \r\n: a text-mode copy that mangles newlines fails fast
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, FORMAT_VERSION)  # warmed caches survive an upgrade
 # magic, version, fingerprint length, block_tokens, n_tokens, payload length,
-# sha256(tokens [+ breaks]), blake2b-256(payload).
+# sha256(tokens [+ breaks]), payload digest (see _payload_digest). The same size in every
+# version, so reading a head needs no version.
 HEADER = struct.Struct("<8sHHIIQ32s32s")
-# Version 2: after the tokens, a count and that many positions, each below n_tokens.
+# Version 2: after the tokens, a count and that many positions, each inside the state.
 _COUNT = struct.Struct("<I")
 # More would make a head read unbounded; a prompt with more is not saved.
 MAX_BREAKS = 255
@@ -46,7 +50,7 @@ class Header:
     payload_bytes: int
     tokens_sha256: bytes
     payload_digest: bytes
-    version: int = FORMAT_VERSION
+    version: int
     breaks: tuple[int, ...] = ()
 
     @property
@@ -65,8 +69,13 @@ def head_bytes(fingerprint: str, n_tokens: int) -> int:
     return fixed + _COUNT.size + 4 * MAX_BREAKS
 
 
-def _payload_digest(payload: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=32).digest()
+def _payload_digest(version: int, payload: bytes | memoryview) -> bytes:
+    """The state's check. It guards against damage, not forgery (whoever can write the cache
+    directory can write a matching digest of any kind), so version 2 uses XXH3-128: 3.8 ms
+    over a 37 MB state where version 1's BLAKE2b-256 takes 49 ms. Zero-padded to the field."""
+    if version == 1:
+        return hashlib.blake2b(payload, digest_size=32).digest()
+    return xxhash.xxh3_128_digest(payload).ljust(32, b"\0")
 
 
 def encode_blob(
@@ -88,12 +97,12 @@ def encode_blob(
         len(tokens),
         len(state),
         hashlib.sha256(listed).digest(),
-        _payload_digest(state),
+        _payload_digest(FORMAT_VERSION, state),
     )
     return b"".join((header, fp, listed, state))
 
 
-def parse_head(data: bytes, expected_fp: str) -> tuple[Header, list[int]] | None:
+def parse_head(data: bytes | memoryview, expected_fp: str) -> tuple[Header, list[int]] | None:
     """Header and verified tokens, or None if anything is inconsistent. `data` may run on
     past the head (see head_bytes)."""
     if len(data) < HEADER.size:
@@ -108,27 +117,28 @@ def parse_head(data: bytes, expected_fp: str) -> tuple[Header, list[int]] | None
         return None
     header = Header(expected_fp, block_tokens, n, payload_bytes, tok_sha, pay_dig, version)
     start = header.tokens_offset
-    listed_end = start + 4 * n
+    end = start + 4 * n
     breaks: list[int] = []
     if version > 1:
-        if len(data) < listed_end + _COUNT.size:
+        if len(data) < end + _COUNT.size:
             return None
-        (count,) = _COUNT.unpack_from(data, listed_end)
+        (count,) = _COUNT.unpack_from(data, end)
         if count > MAX_BREAKS:
             return None
-        breaks = tokens_from_bytes(data[listed_end + _COUNT.size : listed_end + 4 + 4 * count])
-        listed_end += _COUNT.size + 4 * count
+        breaks = tokens_from_bytes(data[end + _COUNT.size : end + _COUNT.size + 4 * count])
+        end += _COUNT.size + 4 * count
         if len(breaks) != count or any(not 0 < b < n for b in breaks):
             return None
-    listed = data[start:listed_end]
-    if len(listed) != listed_end - start or hashlib.sha256(listed).digest() != tok_sha:
+    listed = data[start:end]
+    if len(listed) != end - start or hashlib.sha256(listed).digest() != tok_sha:
         return None
-    header = replace(header, breaks=tuple(breaks))
-    return header, tokens_from_bytes(data[start : start + 4 * n])
+    return replace(header, breaks=tuple(breaks)), tokens_from_bytes(data[start : start + 4 * n])
 
 
-def decode_blob(data: bytes, expected_fp: str) -> tuple[Header, list[int], bytes] | None:
-    """Fully verified (header, tokens, state) or None."""
+def decode_blob(
+    data: bytes | memoryview, expected_fp: str
+) -> tuple[Header, list[int], memoryview] | None:
+    """Fully verified (header, tokens, state) or None; the state is a view into `data`."""
     parsed = parse_head(data, expected_fp)
     if parsed is None:
         return None
@@ -136,9 +146,9 @@ def decode_blob(data: bytes, expected_fp: str) -> tuple[Header, list[int], bytes
     if len(data) != header.payload_offset + header.payload_bytes:
         return None  # truncated or trailing garbage
     payload = memoryview(data)[header.payload_offset :]
-    if _payload_digest(payload) != header.payload_digest:
+    if _payload_digest(header.version, payload) != header.payload_digest:
         return None
-    return header, tokens, bytes(payload)
+    return header, tokens, payload
 
 
 def name_tokens(name: str) -> int:

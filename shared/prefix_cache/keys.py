@@ -145,7 +145,6 @@ def prefix_key(
     return _digest(b"granary-prefix", bytes.fromhex(base), _U32.pack(n), tail).hex()
 
 
-
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
 import pytest
 
-from shared.prefix_cache.blobs import BlobStore, DirectoryBlobStore, MemoryBlobStore
+from shared.prefix_cache.blobs import (
+    MAPPABLE_FILE_SYSTEMS,
+    BlobStore,
+    DirectoryBlobStore,
+    MemoryBlobStore,
+    file_system,
+)
 
 
-@pytest.fixture(params=["directory", "memory"])
+@pytest.fixture(params=["directory-mapped", "directory-read", "memory"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> BlobStore:
-    if request.param == "directory":
-        return DirectoryBlobStore(tmp_path / "store")
-    return MemoryBlobStore()
+    if request.param == "memory":
+        return MemoryBlobStore()
+    return DirectoryBlobStore(tmp_path / "store", map_reads=request.param == "directory-mapped")
 
 
 def test_put_get_roundtrip_and_overwrite(store: BlobStore) -> None:
@@ -24,6 +31,18 @@ def test_put_get_roundtrip_and_overwrite(store: BlobStore) -> None:
     assert store.get("a/b/c") == b"two!"
     store.put("a/empty", b"", durable=False)
     assert store.get("a/empty") == b""
+
+
+def test_get_is_a_read_only_view_that_outlives_replace_and_delete(store: BlobStore) -> None:
+    store.put("a/k", b"first")
+    view = store.get("a/k")
+    assert view is not None and view.readonly
+    with pytest.raises(TypeError):
+        view[0] = 0
+    store.put("a/k", b"second, longer")
+    assert store.get("a/k") == b"second, longer"
+    store.delete("a/k")
+    assert view == b"first"
 
 
 def test_missing_keys_are_none_not_errors(store: BlobStore) -> None:
@@ -135,3 +154,36 @@ def test_directory_store_write_failure_cleans_temp(tmp_path: Path) -> None:
 def test_directory_store_shares_state_between_instances(tmp_path: Path) -> None:
     DirectoryBlobStore(tmp_path).put("k/v", b"shared")
     assert DirectoryBlobStore(tmp_path).get("k/v") == b"shared"
+
+
+MOUNTS = """\
+/dev/vda / ext4 rw,relatime 0 0
+proc /proc proc rw,nosuid 0 0
+server:/export /srv/cache nfs4 rw,relatime 0 0
+tmpfs /srv/cache/local tmpfs rw 0 0
+/dev/vdb /srv/my\\040cache xfs rw 0 0
+server:/other /srv/my\\040cache fuse.sshfs rw 0 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [
+        ("/var/lib/granary", "ext4"),
+        ("/srv/cache", "nfs4"),
+        ("/srv/cache/kv/blobs", "nfs4"),
+        ("/srv/cache/local/kv", "tmpfs"),
+        ("/srv/cache-other", "ext4"),  # a longer name is not below the mount point
+        ("/srv/my cache/kv", "fuse.sshfs"),  # escaped space; the later mount is on top
+    ],
+)
+def test_file_system_of_a_path(path: str, kind: str) -> None:
+    assert file_system(Path(path), MOUNTS) == kind
+
+
+def test_directory_store_maps_files_on_a_local_file_system(tmp_path: Path) -> None:
+    DirectoryBlobStore(tmp_path).put("k", b"same")
+    local = file_system(tmp_path, Path("/proc/self/mounts").read_text()) in MAPPABLE_FILE_SYSTEMS
+    for map_reads, mapped in ((None, local), (True, True), (False, False)):
+        view = DirectoryBlobStore(tmp_path, map_reads=map_reads).get("k")
+        assert view == b"same" and isinstance(view.obj, mmap.mmap) == mapped

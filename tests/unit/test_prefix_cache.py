@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import builtins
 import errno
+import hashlib
 import json
 import logging
 import multiprocessing
 import os
 import random
+import struct
 import subprocess
 from collections import Counter
 from multiprocessing.synchronize import Event
@@ -22,8 +24,8 @@ from shared.prefix_cache.blobs import (
     DirectoryBlobStore,
     MemoryBlobStore,
 )
-from shared.prefix_cache.format import encode_blob
-from shared.prefix_cache.keys import prefix_key
+from shared.prefix_cache.format import FORMAT_VERSION, HEADER, MAGIC, encode_blob
+from shared.prefix_cache.keys import prefix_key, token_bytes
 
 FP = "f00dfeed"
 B = 8  # block_tokens: head boundaries at 1, 2, 4; full blocks at 8, 16, ...
@@ -48,7 +50,7 @@ class CountingStore:
         self.calls["put"] += 1
         self.inner.put(key, data, durable=durable)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> memoryview | None:
         self.calls["get"] += 1
         return self.inner.get(key)
 
@@ -401,7 +403,7 @@ def test_warm_runs_compute_the_same_cells_as_cold_runs(truncatable: bool) -> Non
         if hit is not None:
             if not truncatable:
                 assert hit.n_tokens == hit.blob_tokens
-            cells = json.loads(hit.state)[: hit.n_tokens]
+            cells = json.loads(bytes(hit.state))[: hit.n_tokens]
         restored = len(cells)
         cells += _cells(prompt, restored, limit, block)
         assert cells == _cells(prompt, 0, limit, block), (prompt, restored)
@@ -461,8 +463,10 @@ def test_save_ignores_empty_input() -> None:
 # ---- corruption -------------------------------------------------------------------
 
 
-def _corrupt_then_lookup(tmp_path: Path, damage: str) -> tuple[CacheHit | None, PrefixCache]:
-    store = DirectoryBlobStore(tmp_path)
+def _corrupt_then_lookup(
+    tmp_path: Path, damage: str, map_reads: bool
+) -> tuple[CacheHit | None, PrefixCache]:
+    store = DirectoryBlobStore(tmp_path, map_reads=map_reads)
     cache = saved(True, P, store=store)
     (path,) = blob_files(tmp_path)
     data = bytearray(path.read_bytes())
@@ -472,6 +476,10 @@ def _corrupt_then_lookup(tmp_path: Path, damage: str) -> tuple[CacheHit | None, 
         data[10] ^= 0x40
     elif damage == "tokens":
         data[len(data) - len(state_for(P)) - 3] ^= 0x01
+    elif damage == "digest_padding":  # the zero bytes after the 16-byte XXH3 digest
+        data[HEADER.size - 1] ^= 0x01
+    elif damage == "unknown_version":
+        struct.pack_into("<H", data, len(MAGIC), FORMAT_VERSION + 1)
     elif damage == "truncated":
         data = data[: len(data) // 2]
     elif damage == "foreign":
@@ -487,13 +495,25 @@ def _corrupt_then_lookup(tmp_path: Path, damage: str) -> tuple[CacheHit | None, 
 
 
 @pytest.mark.parametrize(
-    "damage", ["payload", "header", "tokens", "breaks", "truncated", "foreign", "wrong_tokens"]
+    "damage",
+    [
+        "payload",
+        "header",
+        "tokens",
+        "breaks",
+        "digest_padding",
+        "unknown_version",
+        "truncated",
+        "foreign",
+        "wrong_tokens",
+    ],
 )
+@pytest.mark.parametrize("map_reads", [True, False])
 def test_damaged_blob_is_a_miss_and_removed(
-    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, damage: str, map_reads: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING):
-        hit, cache = _corrupt_then_lookup(tmp_path, damage)
+        hit, cache = _corrupt_then_lookup(tmp_path, damage, map_reads)
     assert hit is None
     assert blob_files(tmp_path) == []
     assert "corrupt" in caplog.text
@@ -510,6 +530,50 @@ def test_corrupt_long_blob_falls_back_to_shorter(tmp_path: Path) -> None:
     hit = cache.lookup([*P, 1])
     assert hit is not None and hit.n_tokens == 16 and hit.state == state_for(P[:16])
     assert not long_path.exists()
+
+
+def version_1_blob(tokens: list[int], state: bytes) -> bytes:
+    """A blob as granary wrote it before format 2: the state checked by BLAKE2b-256."""
+    fp = FP.encode()
+    digest = hashlib.blake2b(state, digest_size=32).digest()
+    header = HEADER.pack(
+        MAGIC,
+        1,
+        len(fp),
+        B,
+        len(tokens),
+        len(state),
+        hashlib.sha256(token_bytes(tokens)).digest(),
+        digest,
+    )
+    return header + fp + token_bytes(tokens) + state
+
+
+def _stored_as_version_1(tmp_path: Path) -> tuple[PrefixCache, Path]:
+    cache = saved(True, P, store=DirectoryBlobStore(tmp_path))
+    (path,) = blob_files(tmp_path)
+    assert HEADER.unpack_from(path.read_bytes())[1] == FORMAT_VERSION == 2
+    path.write_bytes(version_1_blob(P, state_for(P)))  # same name and markers: an older cache
+    return cache, path
+
+
+def test_version_1_blob_still_restores(tmp_path: Path) -> None:
+    cache, _ = _stored_as_version_1(tmp_path)
+    hit = cache.lookup([*P, 1])
+    assert hit is not None and hit.n_tokens == 20 and hit.state == state_for(P)
+    assert cache.verify().removed == 0
+
+
+def test_damaged_version_1_payload_is_a_miss_and_removed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache, path = _stored_as_version_1(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert cache.lookup([*P, 1]) is None
+    assert not path.exists() and "corrupt" in caplog.text
 
 
 def test_blob_deleted_behind_markers_is_lazily_unindexed() -> None:

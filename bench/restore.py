@@ -1,0 +1,111 @@
+"""Where a restore's time goes: reading a blob, checking it, loading it into llama.cpp.
+
+A ~3,000-token Qwen2.5-0.5B state is saved to a cache directory on this machine's disk and
+restored as a worker does, with its file in the page cache. Each step is timed on its own,
+beside two plain copies of the same bytes: the floor a restore could approach.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.prefix_cache import document
+from shared.llm import load_llama
+from shared.prefix_cache import PrefixCache
+from shared.prefix_cache.blobs import DirectoryBlobStore
+from shared.prefix_cache.format import blob_key, blob_name, decode_blob
+from shared.prefix_cache.keys import prefix_key
+from shared.settings import Settings
+from worker import kv_state
+
+N_TOKENS = 3000
+FINGERPRINT = "bench-restore"
+
+
+def _ms(step: Callable[[], object], rounds: int) -> tuple[float, float]:
+    """Median and fastest of `rounds` timings, in ms."""
+    samples = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - started) * 1000)
+    return statistics.median(samples), min(samples)
+
+
+def section(settings: Settings, cache_dir: Path, rounds: int) -> str:
+    llama = load_llama(settings)
+    try:
+        text = document(90, seed=90).encode()
+        tokens = llama.tokenize(text, add_bos=True, special=True)[:N_TOKENS]
+        llama.eval(tokens)
+        state = kv_state.capture(llama)
+        block = settings.cache.block_tokens
+        store = DirectoryBlobStore(cache_dir)
+        cache = PrefixCache(store, FINGERPRINT, block_tokens=block)
+        assert cache.save(tokens, state)
+        key = blob_key(FINGERPRINT, blob_name(len(tokens), prefix_key(tokens, block, FINGERPRINT)))
+        blob = store.get(key)
+        assert blob is not None
+        decoded = decode_blob(blob, FINGERPRINT)
+        assert decoded is not None
+        loaded = decoded[2]
+        prompt = [*tokens, 0]  # the blob is this prompt's restorable prefix, whole
+
+        def whole() -> None:
+            hit = cache.lookup(prompt)
+            assert hit is not None and kv_state.restore(llama, hit.state, tokens, hit.n_tokens)
+
+        rows = {
+            "read: `DirectoryBlobStore.get`": lambda: store.get(key),
+            "check: `format.decode_blob` (header, tokens, payload digest)": lambda: decode_blob(
+                blob, FINGERPRINT
+            ),
+            "load: `kv_state.restore` (`llama_state_seq_set_data`)": lambda: kv_state.restore(
+                llama, loaded, tokens, len(tokens)
+            ),
+            "**whole restore**: `PrefixCache.lookup` + `kv_state.restore`": whole,
+            **_copies(state, cache_dir / f"{FINGERPRINT}/blobs" / key.rsplit("/", 1)[1]),
+        }
+        lines = [_row(label, _ms(step, rounds)) for label, step in rows.items()]
+    finally:
+        llama.close()
+    return HEADER.format(tokens=len(tokens), mb=len(state) / 1e6, rounds=rounds) + "\n".join(lines)
+
+
+def _copies(state: bytes, path: Path) -> dict[str, Callable[[], object]]:
+    """The floor: the same bytes copied into a buffer that already exists."""
+    target = bytearray(path.stat().st_size)
+    pointer = (ctypes.c_char * len(state)).from_buffer(target)
+
+    def from_file() -> None:
+        with path.open("rb", buffering=0) as f:
+            f.readinto(target)
+
+    return {
+        "floor: copy of the state in memory (`memmove` into an existing buffer)": lambda: (
+            ctypes.memmove(pointer, state, len(state))
+        ),
+        "floor: read of the blob file from the page cache into an existing buffer": from_file,
+    }
+
+
+def _row(label: str, timing: tuple[float, float]) -> str:
+    median, fastest = timing
+    return f"| {label} | {median:.1f} | {fastest:.1f} |"
+
+
+HEADER = """## Prefix cache: where a restore's time goes
+
+One Qwen2.5-0.5B state of {tokens} tokens ({mb:.1f} MB) saved to a cache directory on this
+machine's disk, then restored as a worker does (file in the page cache), each step timed on its
+own, {rounds} times; "whole restore" is the lookup and load that a job's `timings.restore_ms`
+includes on a hit. The two floors copy the same bytes into a buffer that already exists: no
+restore can beat them.
+
+| step | median ms | fastest ms |
+|---|---|---|
+"""
