@@ -1,0 +1,75 @@
+"""Where prompts without a declared document end prefill chunks (worker/prompt_breaks.py), read
+off real vocabularies: the breaks land where two prompts about one document part."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from llama_cpp import Llama
+
+from shared.llm import load_llama, render_prompt, tokenize
+from shared.prefix_cache import common_prefix_len
+from shared.schemas import JobRequest
+from shared.settings import Settings
+from tests.conftest import DATA_DIR
+from worker.prompt_breaks import MIN_STRETCH, content_breaks
+
+PAGE = "\n\n".join(
+    " ".join(f"Shelf {i} holds {i * 3} crates of plums." for i in range(k, k + 6))
+    for k in (0, 6, 12)
+)
+SYSTEM = "You answer questions about warehouse pages. " * 6
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"])
+def llama(request: pytest.FixtureRequest) -> Iterator[Llama]:
+    model = load_llama(Settings(model=request.param, data_dir=DATA_DIR), vocab_only=True)
+    yield model
+    model.close()
+
+
+def tokens_of(llama: Llama, request: JobRequest) -> list[int]:
+    return tokenize(llama, render_prompt(llama, request))
+
+
+def plain(question: str) -> JobRequest:
+    return JobRequest(prompt=f"{PAGE}\n\nQuestion: {question}\nAnswer:")
+
+
+def chat(question: str) -> JobRequest:
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"{PAGE}\n\n{question}"},
+    ]
+    return JobRequest.model_validate({"messages": messages})
+
+
+def test_a_plain_prompt_breaks_where_its_question_starts(llama: Llama) -> None:
+    one, two = (tokens_of(llama, plain(q)) for q in ("Which shelf?", "How many plums in all?"))
+    shared = common_prefix_len(one, two)
+    (last,) = content_breaks(llama, one)
+    assert last == max(content_breaks(llama, two))
+    # The question's first word ("Question") is shared too: the break is right before it.
+    assert 0 < shared - last <= 4
+    assert llama.detokenize(one[last:]).decode().startswith("Question")
+
+
+def test_a_chat_breaks_after_the_system_prompt_and_before_the_question(llama: Llama) -> None:
+    if not llama.metadata.get("tokenizer.chat_template"):
+        pytest.skip("this model has no chat template")
+    one, two = (tokens_of(llama, chat(q)) for q in ("Which shelf?", "How many plums in all?"))
+    breaks = content_breaks(llama, one)
+    assert breaks == content_breaks(llama, two)[: len(breaks)]
+    user_start, question = breaks[-2:]
+    assert "You answer" not in llama.detokenize(one[user_start:]).decode()
+    assert llama.detokenize(one[question:]).decode().startswith("Which shelf?")
+    assert 0 <= common_prefix_len(one, two) - question <= 4
+
+
+def test_short_stretches_and_single_paragraphs_get_no_breaks(llama: Llama) -> None:
+    assert content_breaks(llama, tokens_of(llama, JobRequest(prompt="Hi.\n\nHow are you?"))) == ()
+    one_paragraph = " ".join(f"Shelf {i} holds {i * 3} crates." for i in range(30))
+    assert content_breaks(llama, tokens_of(llama, JobRequest(prompt=one_paragraph))) == ()
+    for position in content_breaks(llama, tokens_of(llama, plain("Which shelf?"))):
+        assert position >= MIN_STRETCH
