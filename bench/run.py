@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from bench import (
     batch_rows,
+    chat_document,
     chunk_shape,
     conclave,
     exam,
@@ -76,6 +78,13 @@ def _prefix_cache_sections(redis_url: str, log_dir: Path, quick: bool) -> list[s
         _settings(redis_url, "smollm2-135m"), n_docs=20 if quick else 100
     )
     return [prefix_cache.TTFT_HEADER + "\n".join(rows) + "\n", storage]
+
+
+def _chat_document_section(redis_url: str, log_dir: Path) -> str:
+    settings = _settings(
+        redis_url, "qwen2.5-0.5b", n_ctx=4096, cache={"dir": log_dir / "chat-document-kv"}
+    )
+    return chat_document.section(settings, log_dir, seed=int(time.time()) % 10_000)
 
 
 def _restore_section(redis_url: str, log_dir: Path, quick: bool) -> str:
@@ -180,6 +189,7 @@ def main() -> None:
             "job_path",
             "prefix_cache",
             "restore",
+            "chat_document",
             "result_cache",
             "warm",
             "extraction",
@@ -224,6 +234,7 @@ def main() -> None:
             "job_path": lambda: [_job_path_section(redis_url, log_dir, args.quick)],
             "prefix_cache": lambda: _prefix_cache_sections(redis_url, log_dir, args.quick),
             "restore": lambda: [_restore_section(redis_url, log_dir, args.quick)],
+            "chat_document": lambda: [_chat_document_section(redis_url, log_dir)],
             "result_cache": lambda: [_result_cache_section(redis_url, log_dir, args.quick)],
             "warm": lambda: [_warm_section(redis_url, log_dir, args.quick)],
             "extraction": lambda: [_extraction_section(redis_url, log_dir)],
