@@ -55,7 +55,9 @@ async def _ask(url: str, text: str) -> Asked:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = orjson.loads(line[6:])
-                if first is None and chunk.get("choices"):
+                choices = chunk.get("choices") or []
+                # The first chunk only names the role: the first token is the first content.
+                if first is None and choices and (choices[0].get("delta") or {}).get("content"):
                     first = asyncio.get_running_loop().time()
                 usage = chunk.get("usage") or usage
     assert first is not None and usage, "the stream gave no token or no usage"
