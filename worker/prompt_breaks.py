@@ -36,21 +36,21 @@ _CONTROL = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNO
 class _Pieces:
     """What the break rule needs to know of a token, read from the vocabulary on first use."""
 
-    def __init__(self, llama: Llama) -> None:
-        self._llama = llama
-        self._vocab = llama_cpp.llama_model_get_vocab(llama.model)
+    def __init__(self) -> None:
         # token -> None for a control token, else (blank: only whitespace, newlines it ends
-        # with, counted across spaces and tabs)
+        # with, counted across spaces and tabs). Holds no reference to the model: kept per
+        # model in a weak mapping, a reference would keep the model alive.
         self._known: dict[int, tuple[bool, int] | None] = {}
 
-    def kind(self, token: int) -> tuple[bool, int] | None:
+    def kind(self, llama: Llama, token: int) -> tuple[bool, int] | None:
         if token in self._known:
             return self._known[token]
         result: tuple[bool, int] | None
-        if llama_cpp.llama_vocab_get_attr(self._vocab, token) & _CONTROL:
+        vocab = llama_cpp.llama_model_get_vocab(llama.model)
+        if llama_cpp.llama_vocab_get_attr(vocab, token) & _CONTROL:
             result = None
         else:
-            text = self._llama.detokenize([token], special=False).decode("utf-8", "replace")
+            text = llama.detokenize([token], special=False).decode("utf-8", "replace")
             tail = text[len(text.rstrip(" \t\r\n")) :]
             result = (text.strip() == "", tail.count("\n"))
         self._known[token] = result
@@ -64,13 +64,13 @@ def content_breaks(llama: Llama, tokens: Sequence[int]) -> tuple[int, ...]:
     """The chunk ends `tokens` gets besides the block grid (see the module's docstring)."""
     pieces = _of_model.get(llama)
     if pieces is None:
-        pieces = _of_model[llama] = _Pieces(llama)
+        pieces = _of_model[llama] = _Pieces()
     breaks: set[int] = set()
     start = 0  # of the current stretch
     last_paragraph: int | None = None
     newlines = 0  # ending the text so far
     for position, token in enumerate(tokens):
-        kind = pieces.kind(token)
+        kind = pieces.kind(llama, token)
         if kind is None:
             _close_stretch(breaks, start, last_paragraph, position)
             start, last_paragraph, newlines = position + 1, None, 0
