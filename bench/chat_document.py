@@ -11,13 +11,11 @@ saved and restored whole. Targets (issue 17): ≤ 0.35 s in the same process and
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import orjson
 
-from bench.conclave import document
+from bench.conclave import Reply, document, stream_chat
 from bench.prefix_cache import fresh_worker
 from shared.settings import Settings
 from tests.harness import Stack
@@ -30,39 +28,11 @@ QUESTIONS = (
 TARGET_S = 0.35
 
 
-@dataclass(frozen=True, slots=True)
-class Asked:
-    ttft_s: float
-    prompt_tokens: int
-    cached_tokens: int
-
-
-async def _ask(url: str, text: str) -> Asked:
-    body = {
-        "model": "bench",
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 4,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+async def _ask(url: str, text: str) -> Reply:
     async with httpx.AsyncClient(timeout=600) as client:
-        started = asyncio.get_running_loop().time()
-        first, usage = None, {}
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = orjson.loads(line[6:])
-                choices = chunk.get("choices") or []
-                # The first chunk only names the role: the first token is the first content.
-                if first is None and choices and (choices[0].get("delta") or {}).get("content"):
-                    first = asyncio.get_running_loop().time()
-                usage = chunk.get("usage") or usage
-    assert first is not None and usage, "the stream gave no token or no usage"
-    cached = usage["prompt_tokens_details"]["cached_tokens"]
-    return Asked(first - started, usage["prompt_tokens"], cached)
+        reply = await stream_chat(client, url, text, max_tokens=4)
+    assert reply.first is not None and reply.prompt_tokens, "no token or no usage"
+    return reply
 
 
 def section(settings: Settings, log_dir: Path, seed: int) -> str:
@@ -79,11 +49,11 @@ def section(settings: Settings, log_dir: Path, seed: int) -> str:
         stack.stop()
     return _render(
         [("cold (first question)", cold), ("same process", memory), ("after a restart", disk)],
-        cold.ttft_s,
+        cold.ttft,
     )
 
 
-def _render(rows: list[tuple[str, Asked]], cold_s: float) -> str:
+def _render(rows: list[tuple[str, Reply]], cold_s: float) -> str:
     lines = [
         "## A document inside a chat message: the next question",
         "",
@@ -94,10 +64,10 @@ def _render(rows: list[tuple[str, Asked]], cold_s: float) -> str:
     ]
     for label, asked in rows:
         verdict = (
-            "—" if label.startswith("cold") else ("meets" if asked.ttft_s <= TARGET_S else "MISSES")
+            "—" if label.startswith("cold") else ("meets" if asked.ttft <= TARGET_S else "MISSES")
         )
         lines.append(
-            f"| {label} | {asked.prompt_tokens} | {asked.cached_tokens} | {asked.ttft_s:.2f} | "
-            f"{cold_s / asked.ttft_s:.0f}× | {verdict} |"
+            f"| {label} | {asked.prompt_tokens} | {asked.cached_tokens} | {asked.ttft:.2f} | "
+            f"{cold_s / asked.ttft:.0f}× | {verdict} |"
         )
     return "\n".join(lines) + "\n"

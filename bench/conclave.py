@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -42,6 +43,8 @@ class Reply:
     first: float | None
     ended: float
     tokens: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def ttft(self) -> float:
@@ -82,7 +85,8 @@ async def stream_chat(
         "stream_options": {"include_usage": True},
     }
     started = time.perf_counter()
-    first, tokens = None, 0
+    first: float | None = None
+    usage: dict[str, Any] = {}
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -92,9 +96,16 @@ async def stream_chat(
             choices = chunk.get("choices") or []
             if first is None and choices and (choices[0].get("delta") or {}).get("content"):
                 first = time.perf_counter()
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return Reply(started, first, time.perf_counter(), tokens)
+            usage = chunk.get("usage") or usage
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return Reply(
+        started,
+        first,
+        time.perf_counter(),
+        usage.get("completion_tokens", 0),
+        usage.get("prompt_tokens", 0),
+        cached,
+    )
 
 
 async def _at_once(url: str, texts: list[str], max_tokens: int) -> list[Reply]:
