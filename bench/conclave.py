@@ -73,12 +73,20 @@ def document(seed: int, lines: int = 120) -> str:
 
 
 async def stream_chat(
-    client: httpx.AsyncClient, url: str, text: str, max_tokens: int, delay_s: float = 0.0
+    client: httpx.AsyncClient,
+    url: str,
+    text: str,
+    max_tokens: int,
+    delay_s: float = 0.0,
+    system: str | None = None,
 ) -> Reply:
     await asyncio.sleep(delay_s)
+    messages = [{"role": "user", "content": text}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
     body = {
         "model": "bench",
-        "messages": [{"role": "user", "content": text}],
+        "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,

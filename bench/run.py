@@ -17,6 +17,7 @@ from bench import (
     batch_rows,
     chat_document,
     chunk_shape,
+    cold_prefill,
     conclave,
     exam,
     extraction,
@@ -166,6 +167,11 @@ def _conclave_section(redis_url: str, log_dir: Path, server: Path | None) -> str
     return conclave.section(settings, log_dir, server)
 
 
+def _cold_prefill_section(redis_url: str, log_dir: Path, server: Path | None, quick: bool) -> str:
+    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
+    return cold_prefill.section(settings, log_dir, server, rounds=1 if quick else 3)
+
+
 def _routing_section(redis_url: str, log_dir: Path) -> str:
     # Two workers on two cores: one thread each.
     settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=1)
@@ -197,6 +203,7 @@ def main() -> None:
             "batch_rows",
             "chunk_shape",
             "conclave",
+            "cold_prefill",
             "routing",
             "exam",
         ],
@@ -209,7 +216,9 @@ def main() -> None:
         "earlier ones, keeping the others",
     )
     parser.add_argument(
-        "--peer-server", type=Path, help="llama.cpp's llama-server (make peer-server), for conclave"
+        "--peer-server",
+        type=Path,
+        help="llama.cpp's llama-server (make peer-server), for conclave and cold_prefill",
     )
     parser.add_argument(
         "--invariant-site",
@@ -242,6 +251,9 @@ def main() -> None:
             "batch_rows": lambda: [_batch_rows_section(redis_url, args.invariant_site)],
             "chunk_shape": lambda: [_chunk_shape_section(redis_url)],
             "conclave": lambda: [_conclave_section(redis_url, log_dir, args.peer_server)],
+            "cold_prefill": lambda: [
+                _cold_prefill_section(redis_url, log_dir, args.peer_server, args.quick)
+            ],
             "routing": lambda: [_routing_section(redis_url, log_dir)],
             "exam": lambda: [_exam_section(redis_url, log_dir, args.exam_runs)],
         }

@@ -45,6 +45,7 @@ def load_llama(settings: Settings, *, vocab_only: bool = False) -> Llama:
                 n_batch=settings.n_batch,
                 n_threads=settings.threads,
                 n_threads_batch=settings.threads,
+                flash_attn=settings.flash_attn,
                 # Logits only where a token is sampled: keeping them for every prompt token
                 # makes prefill ~50% slower and the KV state huge.
                 logits_all=False,

@@ -146,7 +146,7 @@ def open_results(redis: Redis, settings: Settings) -> ResultCache | None:
     if not settings.result_cache.enabled:
         return None
     model = resolve_model(settings.model, settings.data_dir)
-    fingerprint = model_fingerprint(model, settings.data_dir)
+    fingerprint = model_fingerprint(model, settings.data_dir, flash_attn=settings.flash_attn)
     return ResultCache(redis, settings.result_cache, identity(settings, fingerprint))
 
 

@@ -181,6 +181,11 @@ class Settings(BaseSettings):
     # wait, so workers whose threads overlap slow each other down many times over.
     workers_per_host: int = Field(1, ge=1)
     n_batch: int = Field(512, ge=1)
+    # llama.cpp's flash-attention kernel (what llama-server's `-fa auto` picks on a CPU): faster
+    # prefill, the more so the longer the prompt, and faster batched decoding
+    # (docs/BENCHMARKS.md). Cells computed with and without it differ in rounding and layout, so
+    # it is part of the cache fingerprint: one setting never reads the other's states.
+    flash_attn: bool = True
     log_level: str = "INFO"
     # Comma-separated in GRANARY_API_KEYS. Empty: no authentication.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)

@@ -83,7 +83,9 @@ def _speculator(settings: Settings) -> Speculator:
     archive = DraftArchive(path, max_bytes=worker.draft_archive_max_bytes)
     model = resolve_model(settings.model, settings.data_dir)
     return Speculator(
-        archive, model_fingerprint(model, settings.data_dir), exact=worker.speculation_exact
+        archive,
+        model_fingerprint(model, settings.data_dir, flash_attn=settings.flash_attn),
+        exact=worker.speculation_exact,
     )
 
 

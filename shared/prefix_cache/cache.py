@@ -588,7 +588,7 @@ def open_cache(settings: Settings, *, truncatable: bool = True) -> PrefixCache:
     model_path = resolve_model(settings.model, settings.data_dir)
     return PrefixCache(
         DirectoryBlobStore(settings.cache_dir),
-        model_fingerprint(model_path, settings.data_dir),
+        model_fingerprint(model_path, settings.data_dir, flash_attn=settings.flash_attn),
         block_tokens=settings.cache.block_tokens,
         max_bytes=settings.cache.max_bytes,
         truncatable=truncatable,

@@ -1,8 +1,9 @@
 """A model fingerprint: which cached KV states a process may read.
 
-The state of a prompt depends on the weights, the KV cache's data type and the state format of
-the llama.cpp build, so all three go into the fingerprint; a different model or build reads
-none of another's blobs. Hashing a GGUF takes ~1 s per 500 MB, so the content digest is kept in
+The state of a prompt depends on the weights, the KV cache's data type, the attention kernel
+(flash attention rounds otherwise and lays V out untransposed) and the state format of the
+llama.cpp build, so all four go into the fingerprint; a different model or build reads none of
+another's blobs. Hashing a GGUF takes ~1 s per 500 MB, so the content digest is kept in
 a sidecar file keyed by path, size and modification time.
 """
 
@@ -37,12 +38,14 @@ def file_digest(path: Path, sidecar_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def model_fingerprint(path: Path, sidecar_dir: Path) -> str:
+def model_fingerprint(path: Path, sidecar_dir: Path, *, flash_attn: bool) -> str:
     parts = [
         file_digest(path, sidecar_dir),
         KV_CACHE_TYPE,
         f"llama-cpp-python={version('llama-cpp-python')}",
     ]
+    if flash_attn:  # without it, the fingerprint states computed before the setting existed had
+        parts.append("flash-attn")
     return hashlib.blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
 
 

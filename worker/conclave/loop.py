@@ -11,7 +11,11 @@ Exactness: a prefill chunk is always decoded alone, in the shape a lone run uses
 computed beside others gets slightly different logits (docs/BENCHMARKS.md); with `exact`, a
 greedy row whose top two logits nearly tie is decided again after recomputing that stream's
 batched cells one token at a time (worker/speculation/near_tie.py), so greedy output does not
-depend on what else runs.
+depend on what else runs. Such a replay costs a lone decode for every cell since the stream's
+last exact one, so a stream that met a near tie is decoded alone from then on: on free text
+ties come every few tokens (Qwen2.5: 93 replays in 512 tokens of 8 chats), and batching it
+would cost more than the lone decodes it saves; a confident stream (an extraction's short
+answers) stays in the batch (docs/BENCHMARKS.md, "Exact batching: which rows share a step").
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ class _Stream:
     generated: int = 0
     exact_until: int = 0  # cells below this were computed as a lone run computes them
     replays: int = 0
+    # Exact batching: decoded alone from its first near tie on (see the module's doc).
+    alone: bool = False
     drifted: bool = False  # see Ended.drifted
     passed_over: int = 0
     rng: np.random.Generator | None = None
@@ -351,38 +357,65 @@ class Conclave:
         stream.rng = np.random.default_rng(request.sampling.seed)
 
     def _step(self) -> bool:
-        """One token for every decoding stream, in one llama_decode."""
+        """One token for every decoding stream: one llama_decode for the batch, one for each
+        stream decoded alone."""
         decoding = [s for s in self._streams if s.state is _State.DECODING]
         if not decoding:
             return False
+        alone = [s for s in decoding if s.alone]
+        batch = [s for s in decoding if not s.alone]
+        if len(batch) == 1:
+            alone, batch = [*alone, *batch], []
+        if batch:
+            self._batched_step(batch)
+        for stream in alone:
+            self._lone_step(stream)
+        return True
+
+    def _batched_step(self, batch: list[_Stream]) -> None:
         try:
-            self._decode([(s.next_token, s.pos, s.seq) for s in decoding], logits=True)
+            self._decode([(s.next_token, s.pos, s.seq) for s in batch], logits=True)
         except Exception as exc:
-            for stream in decoding:
+            for stream in batch:
                 self._fail(stream, exc)
-            return True
-        alone = len(decoding) == 1
+            return
         ties = []
-        for row, stream in enumerate(decoding):
+        for row, stream in enumerate(batch):
             logits = self._logits(row)
-            batched = not alone or stream.exact_until < stream.pos
             greedy = stream.request.sampling.greedy
-            if self._exact and batched and greedy and is_near_tie(logits, TIE_MARGIN):
+            if self._exact and greedy and is_near_tie(logits, TIE_MARGIN):
                 ties.append(stream)
                 continue
-            if batched and not (self._exact and greedy):
+            if not (self._exact and greedy):
                 stream.drifted = True
-            if alone and stream.exact_until == stream.pos:
-                stream.exact_until += 1
             self._take(stream, logits)
         for stream in ties:  # after the others: a replay overwrites the batch's logits
+            stream.alone = True
             try:
                 self._replay_alone(stream)
             except Exception as exc:
                 self._fail(stream, exc)
                 continue
             self._take(stream, self._logits(0))
-        return True
+
+    def _lone_step(self, stream: _Stream) -> None:
+        """Decode one stream's next token in a batch of its own, as a lone run does."""
+        exact_greedy = self._exact and stream.request.sampling.greedy
+        try:
+            self._decode([(stream.next_token, stream.pos, stream.seq)], logits=True)
+            logits = self._logits(0)
+            if stream.exact_until < stream.pos:  # it reads cells a batched step wrote
+                if exact_greedy and is_near_tie(logits, TIE_MARGIN):
+                    self._replay_alone(stream)
+                    logits = self._logits(0)
+                elif not exact_greedy:
+                    stream.drifted = True
+        except Exception as exc:
+            self._fail(stream, exc)
+            return
+        if stream.exact_until == stream.pos:
+            stream.exact_until += 1
+        self._take(stream, logits)
 
     def _replay_alone(self, stream: _Stream) -> None:
         """Recompute one token at a time every cell of `stream` a batched step wrote; then row
