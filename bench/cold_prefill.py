@@ -4,8 +4,8 @@ A chat whose system message holds a nonce (so no two requests share more than th
 first tokens, on any system) and whose user message is a ~1,200- or ~3,600-token document
 (Qwen2.5-0.5B, 2 threads, greedy, 1 token, streaming `/v1/chat/completions`, timed at the
 client: granary's time includes its whole job path). Systems run side by side, one request at a
-time, round-robin: granary as configured by default (the Conclave, `flash_attn` on), granary
-with `flash_attn = false` (what it ran before the setting), and `llama-server -np 8 -kvu`
+time, round-robin: granary as configured by default (the Conclave, `flash_attn` off), granary
+with `flash_attn = true`, and `llama-server -np 8 -kvu`
 (`-fa auto`, its default, picks flash attention on a CPU). Target (issue 17): granary's cold
 TTFT at most 1.03 times llama-server's.
 """
@@ -60,11 +60,11 @@ async def _ask(url: str, nonce: int, lines: int) -> Reply:
 def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int) -> str:
     systems: dict[str, str] = {}
     with ExitStack() as running:
-        systems["granary (flash_attn on, default)"] = running.enter_context(
-            _granary(settings, log_dir, True, 1)
+        systems["granary (default, flash_attn off)"] = running.enter_context(
+            _granary(settings, log_dir, False, 1)
         )
-        systems["granary, flash_attn off"] = running.enter_context(
-            _granary(settings, log_dir, False, 2)
+        systems["granary, flash_attn on"] = running.enter_context(
+            _granary(settings, log_dir, True, 2)
         )
         if server is not None and server.exists():
             systems[PEER] = running.enter_context(llama_server(server, settings, log_dir))[0]

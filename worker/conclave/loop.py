@@ -13,9 +13,8 @@ greedy row whose top two logits nearly tie is decided again after recomputing th
 batched cells one token at a time (worker/speculation/near_tie.py), so greedy output does not
 depend on what else runs. Such a replay costs a lone decode for every cell since the stream's
 last exact one, so a stream that met a near tie is decoded alone from then on: on free text
-ties come every few tokens (Qwen2.5: 93 replays in 512 tokens of 8 chats), and batching it
-would cost more than the lone decodes it saves; a confident stream (an extraction's short
-answers) stays in the batch (docs/BENCHMARKS.md, "Exact batching: which rows share a step").
+ties come every few tokens, and batching it would cost more than the lone decodes it saves; a
+confident stream (an extraction's short answers) stays in the batch.
 """
 
 from __future__ import annotations
