@@ -24,8 +24,7 @@ from redis import Redis
 
 from shared import codec, keys
 from shared.job_store import JobEvent, JobStore
-from shared.models import resolve_model
-from shared.prefix_cache import model_fingerprint
+from shared.prefix_cache import configured_fingerprint
 from shared.schemas import (
     Answer,
     AnswerEvent,
@@ -145,8 +144,7 @@ def open_results(redis: Redis, settings: Settings) -> ResultCache | None:
     """The configured result store (None when disabled), keyed with this process's identity."""
     if not settings.result_cache.enabled:
         return None
-    model = resolve_model(settings.model, settings.data_dir)
-    fingerprint = model_fingerprint(model, settings.data_dir, flash_attn=settings.flash_attn)
+    fingerprint = configured_fingerprint(settings)
     return ResultCache(redis, settings.result_cache, identity(settings, fingerprint))
 
 

@@ -8,8 +8,7 @@ import llama_cpp
 from redis import Redis
 
 from shared.job_store import JobStore
-from shared.models import resolve_model
-from shared.prefix_cache import CounterPublisher, PrefixCache, model_fingerprint, open_cache
+from shared.prefix_cache import CounterPublisher, PrefixCache, configured_fingerprint, open_cache
 from shared.redis_outage import RedisWaiter
 from shared.redis_server import connect
 from shared.result_cache import open_results
@@ -81,12 +80,7 @@ def _speculator(settings: Settings) -> Speculator:
     worker = settings.worker
     path = worker.draft_archive or settings.data_dir / "drafts.sqlite3"
     archive = DraftArchive(path, max_bytes=worker.draft_archive_max_bytes)
-    model = resolve_model(settings.model, settings.data_dir)
-    return Speculator(
-        archive,
-        model_fingerprint(model, settings.data_dir, flash_attn=settings.flash_attn),
-        exact=worker.speculation_exact,
-    )
+    return Speculator(archive, configured_fingerprint(settings), exact=worker.speculation_exact)
 
 
 def run_worker(settings: Settings) -> None:

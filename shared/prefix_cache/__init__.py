@@ -17,7 +17,7 @@ from shared.prefix_cache.cache import (
     restorable_tokens,
 )
 from shared.prefix_cache.counters import CounterPublisher, cache_report, read_counters
-from shared.prefix_cache.fingerprint import model_fingerprint
+from shared.prefix_cache.fingerprint import configured_fingerprint
 from shared.prefix_cache.keys import common_prefix_len
 
 __all__ = [
@@ -27,7 +27,7 @@ __all__ = [
     "PrefixCache",
     "cache_report",
     "common_prefix_len",
-    "model_fingerprint",
+    "configured_fingerprint",
     "open_cache",
     "read_counters",
     "restorable_tokens",

@@ -24,10 +24,9 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shared.models import resolve_model
 from shared.prefix_cache.blobs import BlobStore, DirectoryBlobStore
 from shared.prefix_cache.eviction import HOT_HITS, Stored, eviction_order, fingerprints, scan
-from shared.prefix_cache.fingerprint import model_fingerprint
+from shared.prefix_cache.fingerprint import configured_fingerprint
 from shared.prefix_cache.format import (
     FINGERPRINT,
     HEADER,
@@ -585,10 +584,9 @@ def open_cache(settings: Settings, *, truncatable: bool = True) -> PrefixCache:
     `truncatable` matters only to a process that restores states (a worker knows it from the
     loaded model); the API and CLI only read statistics and manage files.
     """
-    model_path = resolve_model(settings.model, settings.data_dir)
     return PrefixCache(
         DirectoryBlobStore(settings.cache_dir),
-        model_fingerprint(model_path, settings.data_dir, flash_attn=settings.flash_attn),
+        configured_fingerprint(settings),
         block_tokens=settings.cache.block_tokens,
         max_bytes=settings.cache.max_bytes,
         truncatable=truncatable,

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import orjson
 
+from shared.models import resolve_model
+from shared.settings import Settings
+
 # llama.cpp's default KV cache type; granary does not change it.
 KV_CACHE_TYPE = "f16"
 _CHUNK_BYTES = 8 * 1024 * 1024
@@ -44,9 +47,15 @@ def model_fingerprint(path: Path, sidecar_dir: Path, *, flash_attn: bool) -> str
         KV_CACHE_TYPE,
         f"llama-cpp-python={version('llama-cpp-python')}",
     ]
-    if flash_attn:  # without it, the fingerprint states computed before the setting existed had
+    if flash_attn:  # off adds nothing: states cached before the setting keep their fingerprint
         parts.append("flash-attn")
     return hashlib.blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
+
+
+def configured_fingerprint(settings: Settings) -> str:
+    """The fingerprint of the model and kernels these settings load."""
+    path = resolve_model(settings.model, settings.data_dir)
+    return model_fingerprint(path, settings.data_dir, flash_attn=settings.flash_attn)
 
 
 def _read_json(path: Path) -> dict[str, object]:
