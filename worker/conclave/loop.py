@@ -372,6 +372,9 @@ class Conclave:
         return True
 
     def _batched_step(self, batch: list[_Stream]) -> None:
+        # One run of increasing sequence ids, or llama.cpp makes a pass per run (memory.py).
+        self._memory.compact({s.seq for s in batch})
+        batch.sort(key=lambda s: s.seq)
         try:
             self._decode([(s.next_token, s.pos, s.seq) for s in batch], logits=True)
         except Exception as exc:

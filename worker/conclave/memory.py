@@ -13,6 +13,12 @@ computed by canonical prefill (or restored) are reused, under the same rule as t
 (`restorable_tokens`), so output never depends on what memory held before. A prompt sharing a
 busy sequence's prefix gets a copy of its buffer (a memory copy, no model work), cut back.
 
+Rows of several sequences go through one forward pass only when their sequence ids are
+consecutive and in increasing order: llama.cpp splits a batch for such a cache at every gap
+(`split_equal` in llama-batch.cpp), and each part is a pass of its own that reads every weight
+again. So before a batched step the Conclave asks `compact` for one run of sequences, moving a
+stream's buffer into a gap when needed (a memory copy, done by llama.cpp before the next decode).
+
 A sequence whose cells hold a whole document prefix is labelled with the document's prefix id
 (shared/prefix_usage.py); copies copy the labels and cutting below a prefix drops its label, so
 `documents()` is what memory really holds, which the worker advertises for routing
@@ -68,7 +74,8 @@ class Memory:
         self._mem = mem
         self._block_tokens = block_tokens
         self._truncatable = truncatable
-        self._free = list(range(n_seq - 1, -1, -1))
+        self._n_seq = n_seq
+        self._free = set(range(n_seq))
         self._residents: dict[int, Resident] = {}
 
     def residents(self) -> Iterator[Resident]:
@@ -141,7 +148,7 @@ class Memory:
         """Drop a sequence's cells (a failed stream's memory may be half-written)."""
         llama_cpp.llama_memory_seq_rm(self._mem, resident.seq, -1, -1)
         del self._residents[resident.seq]
-        self._free.append(resident.seq)
+        self._free.add(resident.seq)
 
     def release(self, resident: Resident) -> None:
         """The stream is done: its cells stay for reuse until the sequence is needed."""
@@ -161,7 +168,68 @@ class Memory:
     def _take_seq(self) -> int:
         if not self._free:
             self.forget(self._oldest_idle())
-        return self._free.pop()
+        seq = min(self._free)  # busy sequences gather at the low ids: fewer moves later
+        self._free.remove(seq)
+        return seq
+
+    def compact(self, seqs: set[int]) -> dict[int, int]:
+        """Make the busy sequences `seqs` one consecutive run; returns {old: new} for the moved.
+
+        The run is the window that needs the fewest buffer copies among those holding no other
+        busy sequence; idle residents in it move to a free sequence outside it, or are dropped
+        when none is free. Nothing may load a state into a moved-from sequence before the next
+        decode, which makes the copies (see `claim`). No window: nothing moves.
+        """
+        if not seqs or max(seqs) - min(seqs) + 1 == len(seqs):
+            return {}
+        window = self._window(seqs)
+        if window is None:
+            return {}
+        targets = sorted(q for q in window if q not in seqs)
+        movers = sorted(q for q in seqs if q not in window)
+        for old, new in zip(movers, targets, strict=True):
+            self._vacate(new, keep_clear=window)
+            self._move(self._residents[old], new)
+        return dict(zip(movers, targets, strict=True))
+
+    def _window(self, seqs: set[int]) -> range | None:
+        pinned = {r.seq for r in self._residents.values() if not r.idle} - seqs
+        best: tuple[int, range] | None = None
+        for low in range(self._n_seq - len(seqs) + 1):
+            window = range(low, low + len(seqs))
+            if any(q in pinned for q in window):
+                continue
+            # Buffer copies: one per stream moved, one per idle resident giving way.
+            moves = sum(1 for q in seqs if q not in window)
+            idle = sum(1 for q in window if q not in seqs and q in self._residents)
+            if best is None or moves + idle < best[0]:
+                best = (moves + idle, window)
+        return None if best is None else best[1]
+
+    def _vacate(self, seq: int, keep_clear: range) -> None:
+        """Empty `seq` (free or idle): its idle resident moves to a free sequence outside
+        `keep_clear`, or is dropped when there is none."""
+        idle = self._residents.get(seq)
+        if idle is None:
+            return
+        assert idle.idle, "only an idle resident gives way"
+        spare = min((q for q in self._free if q not in keep_clear), default=None)
+        if spare is None:
+            self.forget(idle)
+        else:
+            self._move(idle, spare)
+        self._free.discard(seq)
+
+    def _move(self, resident: Resident, seq: int) -> None:
+        """Copy `resident`'s buffer into the empty sequence `seq` and free its own."""
+        old = resident.seq
+        llama_cpp.llama_memory_seq_cp(self._mem, old, seq, -1, -1)
+        llama_cpp.llama_memory_seq_rm(self._mem, old, -1, -1)
+        del self._residents[old]
+        self._free.discard(seq)
+        self._free.add(old)
+        resident.seq = seq
+        self._residents[seq] = resident
 
     def _oldest_idle(self) -> Resident:
         return min((r for r in self._residents.values() if r.idle), key=lambda r: r.used_at)
