@@ -25,7 +25,7 @@ from bench.conclave import Reply, document, llama_server, stream_chat
 from shared.settings import Settings
 from tests.harness import Stack, free_port
 
-SIZES = {"~1,200 tokens": 40, "~3,600 tokens": 120}
+SIZES = {"~1,200 tokens": 36, "~3,600 tokens": 108}
 TARGET = 1.03
 PEER = "llama-server -np 8 -kvu"
 

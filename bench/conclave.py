@@ -1,10 +1,11 @@
 """Many users at once on one worker (the Conclave), side by side with llama.cpp's llama-server.
 
-A: N clients each stream one OpenAI chat completion at the same moment (distinct ~115-token
-prompts, 64 tokens, greedy): total completion tokens per second of wall time, and the p50 of
-each client's time to first token. B: one client asks about a ~3,000-token document; one
+A: N clients start at the same moment, each streaming two OpenAI chat completions one after
+the other (distinct ~115-token prompts, 64 tokens, greedy): total completion tokens per second
+of wall time, and the p50 of the requests' times to first token. B: one client asks about a ~3,000-token document; one
 second later four short chats arrive: their p95 TTFT, and the long request's TTFT against its
-TTFT alone (another document of the same length, so no cache helps either).
+TTFT alone (another document of the same length, so no cache helps either), measured first,
+on a worker that has served only a warm-up request.
 
 Every system runs alone on the machine, with the same model file and 2 threads: granary
 (API + one worker: one job at a time as before the Conclave, then 8 at once with
@@ -34,6 +35,7 @@ from tests.harness import Stack, _get_ok, _wait_for, free_port
 
 CLIENTS = (1, 4, 8)
 MAX_TOKENS = 64
+REQUESTS = 2  # per client in A, one after another
 SHORT_TOKENS = 16
 
 
@@ -63,11 +65,15 @@ def prompt(i: int) -> str:
     )
 
 
-def document(seed: int, lines: int = 120) -> str:
-    """A ~3,000-token (Qwen) inventory document; another seed gives other numbers."""
+def document(seed: int, lines: int = 90) -> str:
+    """A ~3,000-token (Qwen) inventory document. Another seed gives other numbers of the same
+    widths, so every system and run reads as many tokens (the seeds of the runs differ by
+    10,000s: unpadded, the peer's document was a quarter longer than the first run's)."""
+    tag = f"{seed % 100_000:05d}"
     return "\n".join(
-        f"Shelf {seed}-{n}: {n * 37 % 91 + seed} crates of {('pears', 'apples', 'plums')[n % 3]}, "
-        f"checked on day {(n * 11 + seed) % 28 + 1} by clerk {(n * 7 + seed) % 13}."
+        f"Shelf {tag}-{n:03d}: {(n * 37 + seed) % 90 + 10} crates of "
+        f"{('pears', 'apples', 'plums')[n % 3]}, checked on day {(n * 11 + seed) % 28 + 1:02d} "
+        f"by clerk {(n * 7 + seed) % 13 + 10}."
         for n in range(lines)
     )
 
@@ -121,6 +127,17 @@ async def _at_once(url: str, texts: list[str], max_tokens: int) -> list[Reply]:
         return list(await asyncio.gather(*(stream_chat(client, url, t, max_tokens) for t in texts)))
 
 
+async def _clients(url: str, texts: list[list[str]], max_tokens: int) -> list[Reply]:
+    """Each client sends its requests one after another, all clients at once."""
+
+    async def one(client: httpx.AsyncClient, mine: list[str]) -> list[Reply]:
+        return [await stream_chat(client, url, t, max_tokens) for t in mine]
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        replies = await asyncio.gather(*(one(client, mine) for mine in texts))
+    return [r for mine in replies for r in mine]
+
+
 async def _long_and_short(url: str, doc: str, shorts: list[str]) -> tuple[Reply, list[Reply]]:
     question = f"{doc}\n\nWhich shelf holds the most crates of plums? Answer briefly."
     async with httpx.AsyncClient(timeout=600) as client:
@@ -158,13 +175,16 @@ def measure(url: str, system: str, offset: int, pid: int) -> tuple[list[LoadRow]
     """Both scenarios against a running server; `offset` keeps prompts unseen by earlier runs."""
     rows = []
     asyncio.run(_at_once(url, [prompt(offset + 999)], 4))  # warm-up: load pages, JIT nothing
+    # Alone first, on a worker that has served nothing else, as the one-job engine does.
+    alone, _ = asyncio.run(_long_and_short(url, document(offset + 1), []))
     for n in CLIENTS:
-        texts = [prompt(offset + n * 10 + i) for i in range(n)]
-        replies = asyncio.run(_at_once(url, texts, MAX_TOKENS))
+        texts = [
+            [prompt(offset + n * 100 + i * REQUESTS + k) for k in range(REQUESTS)] for i in range(n)
+        ]
+        replies = asyncio.run(_clients(url, texts, MAX_TOKENS))
         wall = max(r.ended for r in replies) - min(r.started for r in replies)
         tokens = sum(r.tokens for r in replies)
         rows.append(LoadRow(system, n, tokens / wall, statistics.median(r.ttft for r in replies)))
-    alone, _ = asyncio.run(_long_and_short(url, document(offset + 1), []))
     shorts = [prompt(offset + 500 + i) for i in range(4)]
     long, others = asyncio.run(_long_and_short(url, document(offset + 2), shorts))
     p95 = sorted(r.ttft for r in others)[-1]  # the worst of four
@@ -175,12 +195,12 @@ def measure(url: str, system: str, offset: int, pid: int) -> tuple[list[LoadRow]
 def granary(
     settings: Settings, log_dir: Path, exact: bool, active: int
 ) -> Iterator[tuple[str, int]]:
-    worker = {"exact_batching": exact, "max_active_jobs": active}
+    knobs = {"exact_batching": exact, "max_active_jobs": active}
     # A cache of its own: a state another run (or bench) saved would answer a prompt at once.
     cache = {"dir": Path(tempfile.mkdtemp(dir=log_dir, prefix="kv-"))}
     run = settings.model_copy(
         update={
-            "worker": settings.worker.model_copy(update=worker),
+            "worker": settings.worker.model_copy(update=knobs),
             "cache": settings.cache.model_copy(update=cache),
         }
     )
@@ -241,8 +261,9 @@ def _render(loads: list[LoadRow], mixes: list[MixRow], peer: bool) -> str:
         "## Many users on one worker (the Conclave)",
         "",
         "`bench/conclave.py`: Qwen2.5-0.5B, 2 threads, one worker; streaming OpenAI chat, distinct "
-        f"~115-token prompts, {MAX_TOKENS} tokens each, greedy, all clients at once. "
-        "tok/s: completion tokens over the wall time of the round.",
+        f"~115-token prompts, {MAX_TOKENS} tokens each, greedy; all clients start at once and "
+        f"each sends {REQUESTS} requests one after the other. tok/s: completion tokens over the "
+        "wall time of the round; TTFT over all its requests.",
         "",
         "| system | clients | tok/s | TTFT p50 s | tok/s vs peer | TTFT vs peer |",
         "|---|---|---|---|---|---|",
@@ -260,7 +281,8 @@ def _render(loads: list[LoadRow], mixes: list[MixRow], peer: bool) -> str:
         "",
         "A ~3,000-token document question, and four short chats arriving 1 s later "
         f"({SHORT_TOKENS} tokens each). Targets: short chats' p95 TTFT ≤ 3 s, the long one's "
-        "TTFT ≤ 1.25× alone.",
+        "TTFT ≤ 1.25× alone. Alone: another document of the same length, asked first, before "
+        "the many-client rounds; the mixed run comes after them.",
         "",
         "| system | short chats p95 TTFT s | long TTFT s | long alone s | long / alone | "
         "peak RSS MB |",
