@@ -227,9 +227,10 @@ def _shared_with(
     # chains stay short (every prompt after a system prompt stands on the system prompt).
     while chain[0].shared >= shared and len(chain) > 1:
         chain = chain[1:]
-    if shared < MIN_SHARED_CELLS or chain[0].header.depth + 1 > MAX_DEPTH:
-        return None
-    return chain, shared
+    # Too deep: stand on a shallower blob of the chain, for the cells it holds of ours.
+    while chain[0].header.depth + 1 > MAX_DEPTH:
+        shared, chain = min(shared, chain[0].shared), chain[1:]
+    return (chain, shared) if shared >= MIN_SHARED_CELLS else None
 
 
 def _better(a: tuple[list[Link], int], b: tuple[list[Link], int]) -> bool:
