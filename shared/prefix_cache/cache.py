@@ -307,15 +307,21 @@ class PrefixCache:
         self, tokens: list[int], marker_dir: str, name: str, breaks: frozenset[int]
     ) -> CacheHit | None:
         """Read and fully verify one blob (a delta: its whole chain); remove what is bad."""
-        blob_id = (parse_name(name) or (-1, ""))[1]
+        n_named, blob_id = parse_name(name) or (-1, "")
         key = blob_key(self._fp, name)
         data = self._store.get(key)
         link = None if data is None else link_from(self._fp, name, data, with_layout=False)
         if link is None or link.header.block_tokens != self._block_tokens:
             if data is not None:
                 logger.warning("prefix cache: removing corrupt blob %s", key)
+            # All its markers when its tokens are known (a prefix of the prompt's), so shorter
+            # boundaries of this lookup no longer offer it ahead of the blobs they hold.
+            exact = 0 < n_named <= len(tokens) and blob_id == prefix_key(
+                tokens, self._block_tokens, self._fp, n_tokens=n_named
+            )
+            known = tokens[:n_named] if exact else None
             self._best_effort(
-                self._forget, self._fp, name, None, self._block_tokens, marker_dir + name
+                self._forget, self._fp, name, known, self._block_tokens, marker_dir + name
             )
             return None
         header, blob_tokens = link.header, link.tokens

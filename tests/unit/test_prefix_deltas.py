@@ -378,3 +378,17 @@ def test_whole_blobs_written_by_deltas_aware_code_are_format_2() -> None:
     prompt = [*SYSTEM, *toks(9000, 30)]
     assert cache.save(prompt, fake_state(prompt))
     assert head(cache, prompt).version == 3
+
+
+def test_a_damaged_blob_does_not_hide_a_shorter_diverging_one() -> None:
+    """The shorter one is found only by reading its tokens; the damaged one, named as a prefix
+    of the prompt, had ranked first at every boundary until all its markers went with it."""
+    cache = make_cache()
+    diverging = [*SYSTEM, *toks(60_000, 40)]
+    doc = [*SYSTEM, *toks(5000, 60)]
+    assert cache.save(diverging, fake_state(diverging))
+    assert cache.save(doc, fake_state(doc))
+    data = cache._store.get(key_of(doc))
+    assert data is not None
+    cache._store.put(key_of(doc), bytes(data)[:-3])
+    assert restored(cache, [*doc, 1]) == (32, fake_state(diverging))
