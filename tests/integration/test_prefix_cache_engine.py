@@ -369,3 +369,19 @@ def _entries(models: Models) -> list[Stored]:
     from shared.prefix_cache.eviction import scan
 
     return scan(models.cache._store, [models.cache.fingerprint])
+
+
+def test_a_question_on_a_document_stores_only_its_own_cells_after_it(models: Models) -> None:
+    """A job with a document saves its state at the document's end and at its last-but-one
+    token: the second costs only the question's cells."""
+    models.cache.clear()
+    first = ask(models, models.warm, QUESTIONS[0])
+    heads = sorted(_heads(models).values(), key=lambda h: h.n_tokens)
+    assert [h.n_tokens for h in heads] == [first.prefix_tokens, first.usage.prompt_tokens - 1]
+    document_end, last = heads
+    assert document_end.base is None
+    if models.cache._truncatable:
+        assert last.base is not None and last.base.shared == first.prefix_tokens
+        assert last.base.n_tokens == first.prefix_tokens
+    else:
+        assert last.base is None
