@@ -464,26 +464,27 @@ class PrefixCache:
         either: two caches)."""
         if not (self._deltas and self._truncatable):
             return None
-        candidates = self._delta_candidates(tokens, chain, bounds, name)
-        return plan_delta(self._store, self._fp, tokens, state, candidates) if candidates else None
+        for boundary in reversed(bounds):
+            candidates = self._delta_candidates(tokens, chain, boundary, name)
+            if candidates:
+                return plan_delta(
+                    self._store, self._fp, tokens, state, candidates, enough=boundary.n_tokens
+                )
+        return None
 
     def _delta_candidates(
-        self, tokens: list[int], chain: list[str], bounds: list[Boundary], name: str
+        self, tokens: list[int], chain: list[str], boundary: Boundary, name: str
     ) -> list[str]:
-        """Blobs sharing the longest indexed start with `tokens`, at most `max_probes`: those
-        at the deepest boundary that lists any (they share at least its tokens, every blob
-        listed only above it fewer). Stored prefixes of `tokens` first, then the longest."""
-        for boundary in reversed(bounds):
-            names = [
-                n
-                for n in self._store.list(index_dir(self._fp, boundary.key))
-                if n != name and parse_name(n) is not None
-            ]
-            if names:
-                return sorted(names, key=lambda n: self._candidate_rank(n, tokens, chain))[
-                    : self._max_probes
-                ]
-        return []
+        """Blobs at one boundary, at most `max_probes`. At the deepest boundary that lists
+        any, they share at least its tokens (every blob listed only above it fewer). Stored
+        prefixes of `tokens` first, then the longest."""
+        names = [
+            n
+            for n in self._store.list(index_dir(self._fp, boundary.key))
+            if n != name and parse_name(n) is not None
+        ]
+        ranked = sorted(names, key=lambda n: self._candidate_rank(n, tokens, chain))
+        return ranked[: self._max_probes]
 
     def _candidate_rank(self, name: str, tokens: list[int], chain: list[str]) -> tuple[bool, int]:
         n, blob_id = parse_name(name) or (0, "")

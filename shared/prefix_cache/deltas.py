@@ -183,10 +183,17 @@ class Plan:
 
 
 def plan(
-    store: BlobStore, fp: str, tokens: list[int], state: bytes, candidates: Iterable[str]
+    store: BlobStore,
+    fp: str,
+    tokens: list[int],
+    state: bytes,
+    candidates: Iterable[str],
+    enough: int,
 ) -> Plan | None:
     """The delta to write for `state` (covering `tokens`) on the best candidate, if any shares
-    at least MIN_SHARED_CELLS leading cells with it, byte for byte."""
+    at least MIN_SHARED_CELLS leading cells with it, byte for byte. Candidates are read in
+    order until one shares `enough` (each is a whole blob read: the rest could add less than
+    a block)."""
     layout = parse(state)
     if layout is None or layout.n_cells != len(tokens):
         return None
@@ -195,6 +202,8 @@ def plan(
         found = _shared_with(store, fp, name, tokens, layout)
         if found is not None and (best is None or _better(found, best)):
             best = found
+        if best is not None and best[1] >= enough:
+            break
     if best is None:
         return None
     chain, shared = best
