@@ -180,15 +180,14 @@ def storage_section(settings: Settings, n_docs: int) -> str:
     deltas = sum(base is not None for _, (_, base) in stored)
     ratio = stats.bytes / (unique * per_token)
     verdict = "meets ≤ 1.05" if ratio <= 1.05 else "MISSES ≤ 1.05"
+    per_saved = stats.bytes / total_tokens / 1024
     return f"""## Prefix cache: storage
 
 {n_docs} documents sharing one {system_tokens}-token system prompt ({settings.model}, in-process
 engine, each document's prompt saved once, {total_tokens} prompt tokens in all): **{stats.entries}
-entries ({deltas} of them deltas), {stats.bytes / 1e6:.1f} MB on disk, {
-        stats.bytes / total_tokens / 1024:.1f} KiB per saved token**. The saved prompts hold {
-        unique
-    } unique tokens (a token counts
-once however many saved prompts start with the same ones) at {per_token / 1024:.1f} KiB each in a
+entries ({deltas} of them deltas), {stats.bytes / 1e6:.1f} MB on disk, {per_saved:.1f} KiB per
+saved token**. The saved prompts hold {unique} unique tokens (a token counts once however many
+saved prompts start with the same ones) at {per_token / 1024:.1f} KiB each in a
 whole blob: bytes on disk are **{ratio:.3f}×** unique tokens × bytes per token ({verdict}, the
 issue's target). A snapshot that extends a stored prefix stores only its own cells, on the
 longest run of leading cells it shares byte for byte with a stored blob (a delta,
