@@ -25,7 +25,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shared.prefix_cache.blobs import BlobStore, DirectoryBlobStore
-from shared.prefix_cache.deltas import BrokenChain, Composer, Link, Plan, link_from, resolve
+from shared.prefix_cache.deltas import (
+    MIN_SHARED_CELLS,
+    BrokenChain,
+    Composer,
+    Link,
+    Plan,
+    link_from,
+    resolve,
+)
 from shared.prefix_cache.deltas import plan as plan_delta
 from shared.prefix_cache.eviction import HOT_HITS, Stored, eviction_order, fingerprints, scan
 from shared.prefix_cache.fingerprint import configured_fingerprint
@@ -464,27 +472,34 @@ class PrefixCache:
         either: two caches)."""
         if not (self._deltas and self._truncatable):
             return None
+        candidates: list[str] = []
+        enough, upper = 0, len(tokens)
         for boundary in reversed(bounds):
-            candidates = self._delta_candidates(tokens, chain, boundary, name)
-            if candidates:
-                return plan_delta(
-                    self._store, self._fp, tokens, state, candidates, enough=boundary.n_tokens
-                )
-        return None
+            if upper <= MIN_SHARED_CELLS:
+                break  # blobs first listed here share fewer tokens than `upper`
+            upper = boundary.n_tokens
+            found = self._delta_candidates(tokens, chain, boundary, {name, *candidates})
+            enough = enough or (boundary.n_tokens if found else 0)
+            candidates += found[: self._max_probes - len(candidates)]
+            if len(candidates) >= self._max_probes:
+                break
+        if not candidates:
+            return None
+        return plan_delta(self._store, self._fp, tokens, state, candidates, enough=enough)
 
     def _delta_candidates(
-        self, tokens: list[int], chain: list[str], boundary: Boundary, name: str
+        self, tokens: list[int], chain: list[str], boundary: Boundary, skip: set[str]
     ) -> list[str]:
-        """Blobs at one boundary, at most `max_probes`. At the deepest boundary that lists
-        any, they share at least its tokens (every blob listed only above it fewer). Stored
-        prefixes of `tokens` first, then the longest."""
+        """Blobs at one boundary, best first: stored prefixes of `tokens`, then the longest.
+        Deeper boundaries are asked first: their blobs share more tokens (at least the
+        boundary's); shallower ones only when a deeper one has too few (their cells may
+        differ: computed in other chunks)."""
         names = [
             n
             for n in self._store.list(index_dir(self._fp, boundary.key))
-            if n != name and parse_name(n) is not None
+            if n not in skip and parse_name(n) is not None
         ]
-        ranked = sorted(names, key=lambda n: self._candidate_rank(n, tokens, chain))
-        return ranked[: self._max_probes]
+        return sorted(names, key=lambda n: self._candidate_rank(n, tokens, chain))
 
     def _candidate_rank(self, name: str, tokens: list[int], chain: list[str]) -> tuple[bool, int]:
         n, blob_id = parse_name(name) or (0, "")

@@ -392,3 +392,19 @@ def test_a_damaged_blob_does_not_hide_a_shorter_diverging_one() -> None:
     assert data is not None
     cache._store.put(key_of(doc), bytes(data)[:-3])
     assert restored(cache, [*doc, 1]) == (32, fake_state(diverging))
+
+
+def test_a_save_looks_at_shallower_boundaries_when_deeper_cells_differ() -> None:
+    """The blob sharing the most tokens was computed in other chunks; the system prompt's,
+    listed only at shallower boundaries, still serves as the base."""
+    cache = make_cache()
+    assert cache.save(SYSTEM, fake_state(SYSTEM))
+    doc = [*SYSTEM, *toks(5000, 60)]
+    assert cache.save(doc, fake_state(doc, "other chunks"))
+    assert head(cache, doc).base is None
+    longer = [*doc[:80], *toks(70_000, 30)]
+    assert cache.save(longer, fake_state(longer))
+    ref = head(cache, longer).base
+    assert ref is not None and ref.name == key_of(SYSTEM).rsplit("/", 1)[1]
+    assert ref.shared == len(SYSTEM)
+    assert restored(cache, [*longer, 1]) == (len(longer), fake_state(longer))
