@@ -7,6 +7,7 @@ runs use an engine without a cache.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -371,17 +372,18 @@ def _entries(models: Models) -> list[Stored]:
     return scan(models.cache._store, [models.cache.fingerprint])
 
 
-def test_a_question_on_a_document_stores_only_its_own_cells_after_it(models: Models) -> None:
-    """A job with a document saves its state at the document's end and at its last-but-one
-    token: the second costs only the question's cells."""
+def test_a_document_inside_a_chat_stores_each_state_as_its_own_cells(models: Models) -> None:
+    """A chat carrying a document saves its state at its first break (the system prompt), at
+    its last (the document's end) and at its last-but-one token: each later one costs only
+    its own cells, standing on the one before."""
+    form = "messages" if models.llama.metadata.get("tokenizer.chat_template") else "prompt"
     models.cache.clear()
-    first = ask(models, models.warm, QUESTIONS[0])
+    models.run(models.warm, inline(form, QUESTIONS[0]))
     heads = sorted(_heads(models).values(), key=lambda h: h.n_tokens)
-    assert [h.n_tokens for h in heads] == [first.prefix_tokens, first.usage.prompt_tokens - 1]
-    document_end, last = heads
-    assert document_end.base is None
-    if models.cache._truncatable:
-        assert last.base is not None and last.base.shared == first.prefix_tokens
-        assert last.base.n_tokens == first.prefix_tokens
-    else:
-        assert last.base is None
+    assert len(heads) >= 2 and heads[0].base is None
+    for before, after in pairwise(heads):
+        if models.cache._truncatable:
+            assert after.base is not None and after.base.n_tokens == before.n_tokens
+            assert after.base.shared == before.n_tokens
+        else:
+            assert after.base is None  # sliding window: whole states only
