@@ -114,6 +114,9 @@ class CacheSettings(BaseModel):
     block_tokens: int = Field(256, ge=16)
     # Shorter prompts are cheap to recompute and not worth a file.
     min_tokens: int = Field(32, ge=1)
+    # A state that extends a stored one stores only its own cells (plain-attention models;
+    # shared/prefix_cache/deltas.py). Off: every state is stored whole.
+    deltas: bool = True
 
 
 class ResultCacheSettings(BaseModel):

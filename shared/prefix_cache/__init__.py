@@ -1,10 +1,12 @@
 """The shared on-disk prefix KV cache: states keyed by token prefix, shared by every worker.
 
 Inside: `keys` (chained block hashes of token prefixes), `blobs` (the narrow bytes-in/bytes-out
-storage interface, directory and memory implementations), `format` (blob bytes and where
-files live), `eviction` (what the budget removes first), `maintenance` (verifying every
-blob), `cache` (lookup, save, budget), `fingerprint` (which states a model may read) and
-`counters` (hits and misses summed over workers in Redis). Other packages use what is exported here.
+storage interface, directory and memory implementations), `format` (blob bytes and where files
+live), `state_layout` (where each KV cell's bytes are in a llama.cpp state), `deltas` (states
+stored as their own cells on a base), `eviction` (what the budget removes first), `maintenance`
+(verifying every blob), `cache` (lookup, save, budget), `fingerprint` (which states a model may
+read) and `counters` (hits and misses summed over workers in Redis). Other packages use what is
+exported here.
 """
 
 from __future__ import annotations

@@ -25,6 +25,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shared.prefix_cache.blobs import BlobStore, DirectoryBlobStore
+from shared.prefix_cache.deltas import (
+    MIN_SHARED_CELLS,
+    BrokenChain,
+    Composer,
+    Link,
+    Plan,
+    link_from,
+    resolve,
+)
+from shared.prefix_cache.deltas import plan as plan_delta
 from shared.prefix_cache.eviction import HOT_HITS, Stored, eviction_order, fingerprints, scan
 from shared.prefix_cache.fingerprint import configured_fingerprint
 from shared.prefix_cache.format import (
@@ -34,7 +44,6 @@ from shared.prefix_cache.format import (
     Header,
     blob_key,
     blob_name,
-    decode_blob,
     encode_blob,
     head_bytes,
     hits_key,
@@ -56,6 +65,7 @@ logger = logging.getLogger(__name__)
 
 HIT_COUNT_CAP = 16  # a blob's hits file grows a byte per hit up to this
 MAX_PROBES = 4
+_BASE_LATER_S = 1e-3  # how much later than its dependent a base counts as used
 
 if TYPE_CHECKING:
     from shared.settings import Settings
@@ -153,6 +163,7 @@ class PrefixCache:
         clock: Callable[[], float] = time.time,
         hot_hits: int = HOT_HITS,
         max_probes: int = MAX_PROBES,
+        deltas: bool = True,
     ) -> None:
         if not FINGERPRINT.fullmatch(fingerprint):
             raise ValueError(f"fingerprint must be a safe path segment: {fingerprint!r}")
@@ -166,6 +177,8 @@ class PrefixCache:
         self._clock = clock
         self._hot_hits = hot_hits
         self._max_probes = max_probes
+        self._deltas = deltas
+        self._composer = Composer()
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
         self._write_failures = 0
@@ -301,30 +314,42 @@ class PrefixCache:
     def _load(
         self, tokens: list[int], marker_dir: str, name: str, breaks: frozenset[int]
     ) -> CacheHit | None:
-        """Read and fully verify one blob; remove it if it is bad."""
-        n, blob_id = parse_name(name) or (-1, "")
+        """Read and fully verify one blob (a delta: its whole chain); remove what is bad."""
+        n_named, blob_id = parse_name(name) or (-1, "")
         key = blob_key(self._fp, name)
         data = self._store.get(key)
-        decoded = None if data is None else decode_blob(data, self._fp)
-        if decoded is not None and (
-            decoded[0].n_tokens != n
-            or decoded[0].block_tokens != self._block_tokens
-            or prefix_key(decoded[1], self._block_tokens, self._fp) != blob_id
-        ):
-            decoded = None  # intact file under the wrong name
-        if decoded is None:
+        link = None if data is None else link_from(self._fp, name, data, with_layout=False)
+        if link is None or link.header.block_tokens != self._block_tokens:
             if data is not None:
                 logger.warning("prefix cache: removing corrupt blob %s", key)
+            # All its markers when its tokens are known (a prefix of the prompt's), so shorter
+            # boundaries of this lookup no longer offer it ahead of the blobs they hold.
+            exact = 0 < n_named <= len(tokens) and blob_id == prefix_key(
+                tokens, self._block_tokens, self._fp, n_tokens=n_named
+            )
+            known = tokens[:n_named] if exact else None
             self._best_effort(
-                self._forget, self._fp, name, None, self._block_tokens, marker_dir + name
+                self._forget, self._fp, name, known, self._block_tokens, marker_dir + name
             )
             return None
-        header, blob_tokens, state = decoded
+        header, blob_tokens = link.header, link.tokens
         common = common_prefix_len(blob_tokens, tokens)
         usable = self.usable(common, len(blob_tokens), len(tokens) - 1, breaks, header.breaks)
         if usable < 1:
             return None
-        self._best_effort(self._record_use, key, name)
+        chain = [link]
+        if header.base is not None:  # a delta: read every base before composing
+            try:
+                chain = resolve(self._store, self._fp, link)
+            except BrokenChain as broken:
+                logger.warning("prefix cache: removing delta %s: %s", key, broken)
+                for bad, bad_tokens in broken.remove:
+                    self._best_effort(
+                        self._forget, self._fp, bad, bad_tokens, self._block_tokens, None
+                    )
+                return None
+        state = link.payload if header.base is None else self._composer.compose(chain)
+        self._best_effort(self._record_chain_use, chain)
         return CacheHit(usable, state, len(blob_tokens), blob_id)
 
     def usable(
@@ -363,8 +388,16 @@ class PrefixCache:
                     failures,
                 )
 
-    def _record_use(self, key: str, name: str) -> None:
-        self._store.touch(key, self._clock())
+    def _record_chain_use(self, chain: list[Link]) -> None:
+        """A hit on a delta uses its bases too. Each base is touched a moment after the blob
+        standing on it, so least-recently-used order evicts a delta before its base."""
+        now_s = self._clock()
+        for depth, link in enumerate(chain):
+            later_s = now_s + depth * _BASE_LATER_S
+            self._record_use(blob_key(self._fp, link.name), link.name, later_s)
+
+    def _record_use(self, key: str, name: str, now_s: float | None = None) -> None:
+        self._store.touch(key, self._clock() if now_s is None else now_s)
         count = self._hit_count(self._fp, name)
         if count < HIT_COUNT_CAP:
             # Concurrent hits may both write count+1 and count once: harmless.
@@ -407,19 +440,73 @@ class PrefixCache:
         if self._store.stat(key) is not None and self._store.stat(top_marker) is not None:
             self._store.touch(key, now_s)  # dedupe: already stored and indexed
             return True
-        blob = encode_blob(self._fp, self._block_tokens, tokens, state, breaks)
+        delta = self._plan_delta(tokens, state, chain, bounds, name)
+        if delta is None:
+            blob = encode_blob(self._fp, self._block_tokens, tokens, state, breaks)
+        else:
+            blob = encode_blob(
+                self._fp, self._block_tokens, tokens, delta.payload, breaks, delta.ref()
+            )
         if len(blob) > self._max_bytes:
             logger.warning("prefix cache: %d-byte state exceeds max_bytes, not cached", len(blob))
             return False
-        self._make_room(len(blob))
+        bases = [] if delta is None else [link.name for link in delta.chain]
+        self._make_room(len(blob), keep=frozenset(bases))
         self._store.put(key, blob)  # blob before markers: a marker implies a blob
         self._store.touch(key, now_s)
+        for depth, base in enumerate(bases, start=1):  # used now, and later than the new blob
+            self._store.touch(blob_key(self._fp, base), now_s + depth * _BASE_LATER_S)
         for boundary in bounds:
             self._store.put(index_dir(self._fp, boundary.key) + name, b"", durable=False)
         self._count(bytes_written=len(blob))
-        if self._truncatable:
+        if self._truncatable and delta is None:  # a delta duplicates no stored cells
             self._drop_redundant(tokens, breaks, chain, bounds)
         return True
+
+    def _plan_delta(
+        self, tokens: list[int], state: bytes, chain: list[str], bounds: list[Boundary], name: str
+    ) -> Plan | None:
+        """The delta to store instead of the whole state, if a stored blob shares enough of its
+        leading cells. Only for plain attention: a sliding-window state keeps the last window's
+        cells, so a longer one does not extend a shorter one (its layout would not parse
+        either: two caches)."""
+        if not (self._deltas and self._truncatable):
+            return None
+        candidates: list[str] = []
+        enough, upper = 0, len(tokens)
+        for boundary in reversed(bounds):
+            if upper <= MIN_SHARED_CELLS:
+                break  # blobs first listed here share fewer tokens than `upper`
+            upper = boundary.n_tokens
+            found = self._delta_candidates(tokens, chain, boundary, {name, *candidates})
+            enough = enough or (boundary.n_tokens if found else 0)
+            candidates += found[: self._max_probes - len(candidates)]
+            if len(candidates) >= self._max_probes:
+                break
+        if not candidates:
+            return None
+        return plan_delta(self._store, self._fp, tokens, state, candidates, enough=enough)
+
+    def _delta_candidates(
+        self, tokens: list[int], chain: list[str], boundary: Boundary, skip: set[str]
+    ) -> list[str]:
+        """Blobs at one boundary, best first: stored prefixes of `tokens`, then the longest.
+        Deeper boundaries are asked first: their blobs share more tokens (at least the
+        boundary's); shallower ones only when a deeper one has too few (their cells may
+        differ: computed in other chunks)."""
+        names = [
+            n
+            for n in self._store.list(index_dir(self._fp, boundary.key))
+            if n not in skip and parse_name(n) is not None
+        ]
+        return sorted(names, key=lambda n: self._candidate_rank(n, tokens, chain))
+
+    def _candidate_rank(self, name: str, tokens: list[int], chain: list[str]) -> tuple[bool, int]:
+        n, blob_id = parse_name(name) or (0, "")
+        exact = n < len(tokens) and blob_id == prefix_key(
+            tokens, self._block_tokens, self._fp, n_tokens=n, chain=chain
+        )
+        return not exact, -n
 
     def _drop_redundant(
         self, tokens: list[int], breaks: tuple[int, ...], chain: list[str], bounds: list[Boundary]
@@ -485,11 +572,12 @@ class PrefixCache:
         if self._forget(entry.fp, entry.name, blob_tokens, max(block_tokens, 1), None):
             self._count(evictions=1)
 
-    def _make_room(self, incoming_bytes: int) -> int:
+    def _make_room(self, incoming_bytes: int, keep: frozenset[str] = frozenset()) -> int:
         """Evict until the store plus ``incoming_bytes`` fits; return bytes freed.
 
         Usage is recomputed from the store each time (files are the source of
-        truth); concurrent savers may overshoot by one blob each, briefly.
+        truth); concurrent savers may overshoot by one blob each, briefly. ``keep``: this
+        fingerprint's blobs the incoming one stands on.
         """
         fps = fingerprints(self._store)
         usage = sum(b.size_bytes for fp in fps for b in self._store.scan(f"{fp}/blobs/"))
@@ -501,6 +589,8 @@ class PrefixCache:
         for entry in eviction_order(entries, self._max_bytes, self._hot_hits):
             if usage + incoming_bytes <= self._max_bytes:
                 break
+            if entry.fp == self._fp and entry.name in keep:
+                continue
             self._evict(entry)
             usage -= entry.size_bytes
             freed += entry.size_bytes
@@ -523,6 +613,7 @@ class PrefixCache:
             clock=self._clock,
             hot_hits=self._hot_hits,
             max_probes=self._max_probes,
+            deltas=self._deltas,
         )
 
     def counters(self) -> dict[str, int]:
@@ -590,4 +681,5 @@ def open_cache(settings: Settings, *, truncatable: bool = True) -> PrefixCache:
         block_tokens=settings.cache.block_tokens,
         max_bytes=settings.cache.max_bytes,
         truncatable=truncatable,
+        deltas=settings.cache.deltas,
     )

@@ -2,10 +2,13 @@
 
 A blob is a header, the model fingerprint, the token ids, the state's breaks (since version 2:
 where its prefill ended chunks besides the block grid, which decides what it may be restored
-for; see `restorable_tokens`) and the KV state. Every byte is covered by a check: header fields
-by size/digest consistency, the fingerprint by comparison, tokens and breaks by SHA-256 and the
-state by XXH3-128 (version 1 blobs, still read: no breaks, BLAKE2b-256). Blob names are
-``{n_tokens}-{prefix key}``.
+for; see `restorable_tokens`) and the KV state. A delta (version 3) holds, after the breaks, a
+reference to its base (the base's name, its payload digest, how many leading cells it takes
+from it and how deep its chain is) and only its own cells (see shared.prefix_cache.deltas);
+whole states are still written as version 2, which older workers read. Every byte is covered by
+a check: header fields by size/digest consistency, the fingerprint by comparison, tokens, breaks
+and base reference by SHA-256 and the state by XXH3-128 (version 1 blobs, still read: no breaks,
+BLAKE2b-256). Blob names are ``{n_tokens}-{prefix key}``.
 Paths inside the store (``sh`` = first two hex chars of ``bkey``, to keep the index fan-out
 small)::
 
@@ -24,11 +27,12 @@ from dataclasses import dataclass, replace
 
 import xxhash
 
-from shared.prefix_cache.keys import KEY_HEX_CHARS, token_bytes, tokens_from_bytes
+from shared.prefix_cache.keys import DIGEST_BYTES, KEY_HEX_CHARS, token_bytes, tokens_from_bytes
 
 MAGIC = b"GRNYKV\r\n"  # \r\n: a text-mode copy that mangles newlines fails fast
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, FORMAT_VERSION)  # warmed caches survive an upgrade
+FORMAT_VERSION = 2  # a whole state
+DELTA_VERSION = 3  # a state's own cells on a base's
+READABLE_VERSIONS = (1, FORMAT_VERSION, DELTA_VERSION)  # warmed caches survive an upgrade
 # magic, version, fingerprint length, block_tokens, n_tokens, payload length,
 # sha256(tokens [+ breaks]), payload digest (see _payload_digest). The same size in every
 # version, so reading a head needs no version.
@@ -37,9 +41,35 @@ HEADER = struct.Struct("<8sHHIIQ32s32s")
 _COUNT = struct.Struct("<I")
 # More would make a head read unbounded; a prompt with more is not saved.
 MAX_BREAKS = 255
+# Version 3, after the breaks: base n_tokens, base prefix key, base payload digest, cells
+# taken from the base, depth (1: the base is a whole state).
+_BASE = struct.Struct(f"<I{DIGEST_BYTES}s32sIH")
+# A restore reads at most this many blobs beyond the one it found.
+MAX_DEPTH = 8
 # A fingerprint (or namespaced one) is a directory name: nothing that could climb out.
 FINGERPRINT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 _NAME = re.compile(rf"(\d+)-([0-9a-f]{{{KEY_HEX_CHARS}}})")
+
+
+@dataclass(frozen=True, slots=True)
+class BaseRef:
+    """What a delta stands on: the first `shared` cells of blob `{n_tokens}-{blob_id}`, as it
+    was when the delta was written (`payload_digest`: a base replaced since is detected)."""
+
+    n_tokens: int
+    blob_id: str
+    payload_digest: bytes
+    shared: int
+    depth: int
+
+    @property
+    def name(self) -> str:
+        return blob_name(self.n_tokens, self.blob_id)
+
+    def pack(self) -> bytes:
+        return _BASE.pack(
+            self.n_tokens, bytes.fromhex(self.blob_id), self.payload_digest, self.shared, self.depth
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +82,12 @@ class Header:
     payload_digest: bytes
     version: int
     breaks: tuple[int, ...] = ()
+    base: BaseRef | None = None
+
+    @property
+    def depth(self) -> int:
+        """Blobs a restore reads beyond this one."""
+        return 0 if self.base is None else self.base.depth
 
     @property
     def tokens_offset(self) -> int:
@@ -60,13 +96,14 @@ class Header:
     @property
     def payload_offset(self) -> int:
         breaks = 0 if self.version == 1 else _COUNT.size + 4 * len(self.breaks)
-        return self.tokens_offset + 4 * self.n_tokens + breaks
+        base = _BASE.size if self.version == DELTA_VERSION else 0
+        return self.tokens_offset + 4 * self.n_tokens + breaks + base
 
 
 def head_bytes(fingerprint: str, n_tokens: int) -> int:
     """What a head read takes to hold every field `parse_head` checks, breaks included."""
     fixed = HEADER.size + len(fingerprint.encode("utf-8")) + 4 * n_tokens
-    return fixed + _COUNT.size + 4 * MAX_BREAKS
+    return fixed + _COUNT.size + 4 * MAX_BREAKS + _BASE.size
 
 
 def _payload_digest(version: int, payload: bytes | memoryview) -> bytes:
@@ -84,22 +121,36 @@ def encode_blob(
     tokens: Sequence[int],
     state: bytes,
     breaks: Sequence[int] = (),
+    base: BaseRef | None = None,
 ) -> bytes:
+    """A whole state (version 2), or with `base` a delta: `state` then holds only the cells
+    after the base's `shared` ones (version 3)."""
     if len(breaks) > MAX_BREAKS or any(not 0 < b < len(tokens) for b in breaks):
         raise ValueError(f"a state's breaks are at most {MAX_BREAKS} positions inside it")
+    if base is not None and not _base_fits(base, len(tokens)):
+        raise ValueError("a delta takes fewer cells from its base than it holds")
+    version = FORMAT_VERSION if base is None else DELTA_VERSION
     fp = fingerprint.encode("utf-8")
     listed = token_bytes(tokens) + _COUNT.pack(len(breaks)) + token_bytes(sorted(breaks))
+    if base is not None:
+        listed += base.pack()
     header = HEADER.pack(
         MAGIC,
-        FORMAT_VERSION,
+        version,
         len(fp),
         block_tokens,
         len(tokens),
         len(state),
         hashlib.sha256(listed).digest(),
-        _payload_digest(FORMAT_VERSION, state),
+        _payload_digest(version, state),
     )
     return b"".join((header, fp, listed, state))
+
+
+def _base_fits(base: BaseRef, n_tokens: int) -> bool:
+    return (
+        0 < base.shared < n_tokens and base.shared <= base.n_tokens and 1 <= base.depth <= MAX_DEPTH
+    )
 
 
 def parse_head(data: bytes | memoryview, expected_fp: str) -> tuple[Header, list[int]] | None:
@@ -129,10 +180,25 @@ def parse_head(data: bytes | memoryview, expected_fp: str) -> tuple[Header, list
         end += _COUNT.size + 4 * count
         if len(breaks) != count or any(not 0 < b < n for b in breaks):
             return None
+    base = None
+    if version == DELTA_VERSION:
+        base = _unpack_base(data, end, n)
+        if base is None:
+            return None
+        end += _BASE.size
     listed = data[start:end]
     if len(listed) != end - start or hashlib.sha256(listed).digest() != tok_sha:
         return None
-    return replace(header, breaks=tuple(breaks)), tokens_from_bytes(data[start : start + 4 * n])
+    header = replace(header, breaks=tuple(breaks), base=base)
+    return header, tokens_from_bytes(data[start : start + 4 * n])
+
+
+def _unpack_base(data: bytes | memoryview, offset: int, n_tokens: int) -> BaseRef | None:
+    if len(data) < offset + _BASE.size:
+        return None
+    base_n, base_id, digest, shared, depth = _BASE.unpack_from(data, offset)
+    base = BaseRef(base_n, base_id.hex(), digest, shared, depth)
+    return base if _base_fits(base, n_tokens) else None
 
 
 def decode_blob(

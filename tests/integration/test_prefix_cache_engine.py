@@ -7,12 +7,15 @@ runs use an engine without a cache.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 
 from shared.llm import load_llama, tokenize
 from shared.prefix_cache import PrefixCache, common_prefix_len, open_cache
+from shared.prefix_cache.eviction import Stored
+from shared.prefix_cache.format import Header
 from shared.schemas import JobRequest, WarmItem, WarmOrder, WarmResult, WorkOrder
 from shared.settings import Settings
 from shared.submission import work_order_for
@@ -265,3 +268,122 @@ def test_a_document_inside_the_prompt_is_reused_up_to_its_question(
     assert shared - 4 <= hot.usage.cached_tokens <= shared
     assert hot.result.text == cold.result.text
     assert cold.usage.completion_tokens >= 4  # a real comparison, not an empty answer
+
+
+# --- deltas: a shared start stored once, and what a restore does when a base is lost --------
+
+SYSTEM_PROMPT = "You answer questions about crates. " + DOC
+# Two documents after one shared start: the second's state is stored as its own cells only.
+DOCUMENTS = [
+    f"{SYSTEM_PROMPT}\nShop {shop} wants a list of its crates:\n" for shop in ("three", "four")
+]
+
+
+def _heads(models: Models) -> dict[str, Header]:
+    from shared.prefix_cache.format import parse_head
+
+    store, fp = models.cache._store, models.cache.fingerprint
+    out = {}
+    for entry in store.scan(f"{fp}/blobs/"):
+        data = store.get(entry.key)
+        assert data is not None
+        parsed = parse_head(data, fp)
+        assert parsed is not None
+        out[entry.key] = parsed[0]
+    return out
+
+
+def _stored_pair(models: Models) -> tuple[str, str]:
+    """Store both documents; (key of the delta, key of its base)."""
+    models.cache.clear()
+    models.run(models.warm, DOCUMENTS[0])
+    models.run(models.warm, DOCUMENTS[1])
+    heads = _heads(models)
+    deltas = {key: h for key, h in heads.items() if h.base is not None}
+    assert len(heads) == 2 and len(deltas) == 1
+    key, header = next(iter(deltas.items()))
+    assert header.base is not None
+    return key, f"{models.cache.fingerprint}/blobs/{header.base.name}"
+
+
+def test_a_shared_start_is_stored_once_and_restores_as_cold(models: Models) -> None:
+    if not models.cache._truncatable:
+        # Sliding-window states keep only the last window's cells: a longer one does not
+        # extend a shorter one, so every state is stored whole.
+        models.cache.clear()
+        models.run(models.warm, DOCUMENTS[0])
+        models.run(models.warm, DOCUMENTS[1])
+        assert all(h.base is None for h in _heads(models).values())
+        return
+    delta, base = _stored_pair(models)
+    sizes = {key: models.cache._store.stat(key) for key in (delta, base)}
+    assert sizes[delta] is not None and sizes[base] is not None
+    n_delta = _heads(models)[delta]
+    # The delta holds its cells after the shared start, not the start again.
+    assert n_delta.base is not None and n_delta.base.shared >= BLOCK
+    own = n_delta.n_tokens - n_delta.base.shared
+    per_cell = sizes[base].size_bytes / _heads(models)[base].n_tokens  # type: ignore[union-attr]
+    assert sizes[delta].size_bytes < (own + 8) * per_cell  # type: ignore[union-attr]
+    cold = models.run(models.cold, DOCUMENTS[1])
+    hot = models.run(models.warm, DOCUMENTS[1])
+    assert hot.usage.cached_tokens == n_delta.n_tokens  # restored through the chain, whole
+    assert hot.result.text == cold.result.text
+    assert cold.usage.completion_tokens == 32
+
+
+@pytest.mark.parametrize("damage", ["base evicted", "base corrupt", "delta corrupt"])
+def test_a_delta_without_a_sound_base_is_removed_and_recomputed(
+    models: Models, damage: str
+) -> None:
+    if not models.cache._truncatable:
+        pytest.skip("no deltas for sliding-window models")
+    delta, base = _stored_pair(models)
+    store = models.cache._store
+    if damage == "base evicted":
+        models.cache._evict(next(e for e in _entries(models) if e.name == base.rsplit("/")[-1]))
+    else:
+        key = base if damage == "base corrupt" else delta
+        data = store.get(key)
+        assert data is not None
+        damaged = bytearray(data)
+        damaged[len(damaged) // 2] ^= 0xFF
+        store.put(key, bytes(damaged))
+    cold = models.run(models.cold, DOCUMENTS[1])
+    hot = models.run(models.warm, DOCUMENTS[1])
+    assert hot.result.text == cold.result.text
+    assert cold.usage.completion_tokens == 32
+    if damage == "delta corrupt":
+        # Its base still serves the shared start, cut back to a block boundary.
+        assert hot.usage.cached_tokens >= BLOCK and hot.usage.cached_tokens % BLOCK == 0
+        assert _heads(models)[delta].base is not None  # written again, on the same base
+    else:
+        assert hot.usage.cached_tokens == 0  # nothing shorter was stored: a cold prefill
+        assert store.stat(base) is None
+        assert _heads(models)[delta].base is None  # written again, whole
+    # The job saved its state again: the next one restores it whole.
+    again = models.run(models.warm, DOCUMENTS[1])
+    assert again.usage.cached_tokens == hot.usage.prompt_tokens - 1
+    assert again.result.text == cold.result.text
+
+
+def _entries(models: Models) -> list[Stored]:
+    from shared.prefix_cache.eviction import scan
+
+    return scan(models.cache._store, [models.cache.fingerprint])
+
+
+def test_a_document_inside_a_chat_stores_each_state_as_its_own_cells(models: Models) -> None:
+    """A chat carrying a document saves its state at its first break (the system prompt), at
+    its last (the document's end) and at its last-but-one token: each later one costs only
+    its own cells, standing on the one before."""
+    form = "messages" if models.llama.metadata.get("tokenizer.chat_template") else "prompt"
+    models.cache.clear()
+    models.run(models.warm, inline(form, QUESTIONS[0]))
+    heads = sorted(_heads(models).values(), key=lambda h: h.n_tokens)
+    assert len(heads) >= 2 and heads[0].base is None
+    for before, after in pairwise(heads):
+        if models.cache._truncatable:
+            assert after.base is not None and after.base.n_tokens == before.n_tokens
+            assert after.base.shared == before.n_tokens
+        else:
+            assert after.base is None  # sliding window: whole states only
