@@ -40,16 +40,24 @@ def facts_lines(blocks: list[Block]) -> list[Line]:
     section = 0
     lang = language(" ".join(b.text for b in blocks if b.kind == "paragraph")[:20_000])
     shared = _shared_labels(blocks)
+    footer = titled = False
     for block in blocks:
         if block.kind == "heading":
             section += 1
-            heading = Line(block.text, section, block.drop or "heading")
+            # The document's first heading is its title: what the page is about, and whose
+            # the contact and legal data further down are. It stays with or without facts.
+            first = bool(block.text) and not titled
+            titled = titled or first
+            heading = Line(block.text, section, block.drop or (None if first else "heading"))
+            footer = block.label == "footer"
             if block.text:
                 lines.append(heading)
             continue
         title = heading.text if heading is not None else ""
         scope = f"{title} > " if title and not shared.isdisjoint(_labels(block)) else ""
-        for fact in _facts(block, scope, title.endswith("?"), lang):
+        # A footer's lines are the page's contact and legal data (who, where, how to reach
+        # them), not prose: none of them is filler.
+        for fact in _facts(block, scope, footer or title.endswith("?"), lang):
             line = Line(fact.text, section, block.drop or fact.drop)
             lines.append(line)
             if heading is not None and heading.drop == "heading" and not fact.scoped:

@@ -213,7 +213,7 @@ class _Reader:
             self.blocks.append(Block("pair", qa[1], label=qa[0], drop=_drop(region)))
         else:
             if tag in _REGIONS:  # a page region's lines are not under the last heading read
-                self.blocks.append(Block("heading", ""))
+                self.blocks.append(Block("heading", "", label=tag))
             inner: BlockKind = "heading" if tag in _HEADINGS else "item" if tag == "li" else kind
             self.walk(node, region, inner)
             self.flush(inner, _drop(region))
