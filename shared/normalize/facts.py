@@ -22,7 +22,7 @@ from collections import defaultdict
 from typing import NamedTuple
 
 from shared.normalize.blocks import Block
-from shared.normalize.entities import carries_fact
+from shared.normalize.entities import canonical, carries_fact, entities
 from shared.normalize.plain import pair
 from shared.normalize.render import Line, mark_duplicates
 from shared.normalize.sentences import language, sentences
@@ -41,6 +41,8 @@ def facts_lines(blocks: list[Block]) -> list[Line]:
     lang = language(" ".join(b.text for b in blocks if b.kind == "paragraph")[:20_000])
     shared = _shared_labels(blocks)
     footer = titled = False
+    footers: set[int] = set()
+    title_line: Line | None = None
     for block in blocks:
         if block.kind == "heading":
             section += 1
@@ -50,6 +52,10 @@ def facts_lines(blocks: list[Block]) -> list[Line]:
             titled = titled or first
             heading = Line(block.text, section, block.drop or (None if first else "heading"))
             footer = block.label == "footer"
+            if footer:
+                footers.add(section)
+            if first:
+                title_line = heading
             if block.text:
                 lines.append(heading)
             continue
@@ -62,7 +68,17 @@ def facts_lines(blocks: list[Block]) -> list[Line]:
             lines.append(line)
             if heading is not None and heading.drop == "heading" and not fact.scoped:
                 heading.drop = None if line.drop is None else heading.drop
-    return mark_duplicates(lines)
+    return mark_duplicates(_letterhead(lines, footers, title_line))
+
+
+def _letterhead(lines: list[Line], footers: set[int], title: Line | None) -> list[Line]:
+    """A footer's lines (who, where, how to reach them, their legal IDs) moved up after the
+    title, as a letterhead has them: at the end of a page they come after everything a
+    question could be confused with, and a small model looks for them there least."""
+    moved = [line for line in lines if line.section in footers]
+    rest = [line for line in lines if line.section not in footers]
+    at = next((n + 1 for n, line in enumerate(rest) if line is title), 0)
+    return rest[:at] + moved + rest[at:]
 
 
 def _labels(block: Block) -> set[str]:
@@ -97,7 +113,7 @@ def _facts(block: Block, scope: str, answers: bool, lang: str) -> list[_Fact]:
     if block.kind == "table":
         rows = [scope + _row(block.header, row) for row in block.rows]
         return [_Fact(row, None, scoped) for row in rows or [scope + "; ".join(block.header)]]
-    found = pair(block.text)
+    found = pair(block.text) or _label_and_value(block.text)
     if found is not None:
         return [_Fact(f"{scope}{found[0]}: {found[1]}", None, scoped)]
     if block.kind == "item":
@@ -106,6 +122,28 @@ def _facts(block: Block, scope: str, answers: bool, lang: str) -> list[_Fact]:
         _Fact(sentence, None if answers or carries_fact(sentence) else "filler", False)
         for sentence in sentences(block.text, lang)
     ]
+
+
+_MAX_BARE_LABEL_WORDS = 3
+
+
+def _label_and_value(text: str) -> tuple[str, str] | None:
+    """A line that is a short label and one value without a colon between them ("P.IVA
+    IT04815162342", "Tel. 030 1234"): the label and the value, as a "label: value" fact."""
+    found = entities(text)
+    line = canonical(text)
+    if not found or not line.endswith(found[-1]):
+        return None
+    label = line[: -len(found[-1])].strip()
+    words = label.split()
+    if (
+        not 0 < len(words) <= _MAX_BARE_LABEL_WORDS
+        or any(c.isdigit() for c in label)
+        or not label[-1].isalpha() and label[-1] != "."
+        or not any(c.isalpha() for c in label)
+    ):
+        return None
+    return label, found[-1]
 
 
 def _row(header: tuple[str, ...], row: tuple[str, ...]) -> str:
