@@ -7,7 +7,10 @@
 - a paragraph is split into sentences; one carrying a number, date, price, duration, phone,
   email, URL, ID, negation, condition or yes/no answer is kept, the others (filler) dropped,
   except under a heading that asks a question: all of its sentences answer it;
-- list items are kept (short, and facts more often than not).
+- list items are kept (short, and facts more often than not);
+- the document's first heading is its title and stays, facts under it or not;
+- an HTML footer's lines (the page's contact and legal data) are none of them filler, and
+  they follow the title and its own lines, as a letterhead has them.
 
 A label binds its value; a heading is a line of its own, once, above its section's lines. It
 prefixes a line only where the line's label is under another heading too ("Double room >
@@ -22,7 +25,7 @@ from collections import defaultdict
 from typing import NamedTuple
 
 from shared.normalize.blocks import Block
-from shared.normalize.entities import canonical, carries_fact, entities
+from shared.normalize.entities import carries_fact
 from shared.normalize.plain import pair
 from shared.normalize.render import Line, mark_duplicates
 from shared.normalize.sentences import language, sentences
@@ -73,11 +76,14 @@ def facts_lines(blocks: list[Block]) -> list[Line]:
 
 def _letterhead(lines: list[Line], footers: set[int], title: Line | None) -> list[Line]:
     """A footer's lines (who, where, how to reach them, their legal IDs) moved up after the
-    title, as a letterhead has them: at the end of a page they come after everything a
-    question could be confused with, and a small model looks for them there least."""
+    title and its own lines, as a letterhead has them: at the end of a page they come after
+    everything a question could be confused with, and a small model looks for them there
+    least."""
     moved = [line for line in lines if line.section in footers]
     rest = [line for line in lines if line.section not in footers]
     at = next((n + 1 for n, line in enumerate(rest) if line is title), 0)
+    while at and at < len(rest) and title is not None and rest[at].section == title.section:
+        at += 1  # the title's own lines (an introduction) stay with it
     return rest[:at] + moved + rest[at:]
 
 
@@ -113,7 +119,7 @@ def _facts(block: Block, scope: str, answers: bool, lang: str) -> list[_Fact]:
     if block.kind == "table":
         rows = [scope + _row(block.header, row) for row in block.rows]
         return [_Fact(row, None, scoped) for row in rows or [scope + "; ".join(block.header)]]
-    found = pair(block.text) or _label_and_value(block.text)
+    found = pair(block.text)
     if found is not None:
         return [_Fact(f"{scope}{found[0]}: {found[1]}", None, scoped)]
     if block.kind == "item":
@@ -122,28 +128,6 @@ def _facts(block: Block, scope: str, answers: bool, lang: str) -> list[_Fact]:
         _Fact(sentence, None if answers or carries_fact(sentence) else "filler", False)
         for sentence in sentences(block.text, lang)
     ]
-
-
-_MAX_BARE_LABEL_WORDS = 3
-
-
-def _label_and_value(text: str) -> tuple[str, str] | None:
-    """A line that is a short label and one value without a colon between them ("P.IVA
-    IT04815162342", "Tel. 030 1234"): the label and the value, as a "label: value" fact."""
-    found = entities(text)
-    line = canonical(text)
-    if not found or not line.endswith(found[-1]):
-        return None
-    label = line[: -len(found[-1])].strip()
-    words = label.split()
-    if (
-        not 0 < len(words) <= _MAX_BARE_LABEL_WORDS
-        or any(c.isdigit() for c in label)
-        or not label[-1].isalpha() and label[-1] != "."
-        or not any(c.isalpha() for c in label)
-    ):
-        return None
-    return label, found[-1]
 
 
 def _row(header: tuple[str, ...], row: tuple[str, ...]) -> str:

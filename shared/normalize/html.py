@@ -10,8 +10,9 @@ but links) name pages of the site: their text is dropped and never put back ("Wa
 holds a count, not a fact of the document); a `tel:` or `mailto:` link there is not one of them.
 A `tel:` or `mailto:` link whose text does not show its target gets the target before its
 text, which goes in brackets ("Phone: +39 045… (call us)": the label before the link labels
-the value); an absolute http(s) link outside furniture gets its target after its text (a menu's or share bar's targets
-would only be put back by the guard, as facts, and bring dozens). A `<details>` block is a
+the value); an absolute http(s) link outside furniture gets its target after its text, in
+brackets (a menu's or share bar's targets would only be put back by the guard, as facts,
+and bring dozens). A `<details>` block is a
 question and its answer (its `<summary>` and the rest): one label-value pair.
 """
 
