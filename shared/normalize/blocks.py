@@ -21,7 +21,8 @@ class Block:
     kind: BlockKind
     # heading, paragraph, item: the text; pair: the value.
     text: str = ""
-    # pair: the label.
+    # pair: the label; an HTML page region's empty heading: the region ("header", "footer",
+    # "aside").
     label: str = ""
     # table: column headers (may be empty) and rows of cells.
     header: tuple[str, ...] = ()

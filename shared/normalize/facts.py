@@ -7,7 +7,10 @@
 - a paragraph is split into sentences; one carrying a number, date, price, duration, phone,
   email, URL, ID, negation, condition or yes/no answer is kept, the others (filler) dropped,
   except under a heading that asks a question: all of its sentences answer it;
-- list items are kept (short, and facts more often than not).
+- list items are kept (short, and facts more often than not);
+- the document's first heading is its title and stays, facts under it or not;
+- an HTML footer's lines (the page's contact and legal data) are none of them filler, and
+  they follow the title and its own lines, as a letterhead has them.
 
 A label binds its value; a heading is a line of its own, once, above its section's lines. It
 prefixes a line only where the line's label is under another heading too ("Double room >
@@ -40,21 +43,48 @@ def facts_lines(blocks: list[Block]) -> list[Line]:
     section = 0
     lang = language(" ".join(b.text for b in blocks if b.kind == "paragraph")[:20_000])
     shared = _shared_labels(blocks)
+    footer = titled = False
+    footers: set[int] = set()
+    title_line: Line | None = None
     for block in blocks:
         if block.kind == "heading":
             section += 1
-            heading = Line(block.text, section, block.drop or "heading")
+            # The document's first heading is its title: what the page is about, and whose
+            # the contact and legal data further down are. It stays with or without facts.
+            first = bool(block.text) and not titled
+            titled = titled or first
+            heading = Line(block.text, section, block.drop or (None if first else "heading"))
+            footer = block.label == "footer"
+            if footer:
+                footers.add(section)
+            if first:
+                title_line = heading
             if block.text:
                 lines.append(heading)
             continue
         title = heading.text if heading is not None else ""
         scope = f"{title} > " if title and not shared.isdisjoint(_labels(block)) else ""
-        for fact in _facts(block, scope, title.endswith("?"), lang):
+        # A footer's lines are the page's contact and legal data (who, where, how to reach
+        # them), not prose: none of them is filler.
+        for fact in _facts(block, scope, footer or title.endswith("?"), lang):
             line = Line(fact.text, section, block.drop or fact.drop)
             lines.append(line)
             if heading is not None and heading.drop == "heading" and not fact.scoped:
                 heading.drop = None if line.drop is None else heading.drop
-    return mark_duplicates(lines)
+    return mark_duplicates(_letterhead(lines, footers, title_line))
+
+
+def _letterhead(lines: list[Line], footers: set[int], title: Line | None) -> list[Line]:
+    """A footer's lines (who, where, how to reach them, their legal IDs) moved up after the
+    title and its own lines, as a letterhead has them: at the end of a page they come after
+    everything a question could be confused with, and a small model looks for them there
+    least."""
+    moved = [line for line in lines if line.section in footers]
+    rest = [line for line in lines if line.section not in footers]
+    at = next((n + 1 for n, line in enumerate(rest) if line is title), 0)
+    while at and at < len(rest) and title is not None and rest[at].section == title.section:
+        at += 1  # the title's own lines (an introduction) stay with it
+    return rest[:at] + moved + rest[at:]
 
 
 def _labels(block: Block) -> set[str]:

@@ -8,9 +8,11 @@ pop-ups. Footers are content: VAT numbers, phones and opening hours live there. 
 navigation (a `<nav>` or navigation role, and a header's, footer's or aside's list of nothing
 but links) name pages of the site: their text is dropped and never put back ("Warenkorb (0)"
 holds a count, not a fact of the document); a `tel:` or `mailto:` link there is not one of them.
-A `tel:` or `mailto:` link whose text does not show its target gets the target after it, in
-brackets; so does an absolute http(s) link outside furniture (a menu's or share bar's targets
-would only be put back by the guard, as facts, and bring dozens). A `<details>` block is a
+A `tel:` or `mailto:` link whose text does not show its target gets the target before its
+text, which goes in brackets ("Phone: +39 045… (call us)": the label before the link labels
+the value); an absolute http(s) link outside furniture gets its target after its text, in
+brackets (a menu's or share bar's targets would only be put back by the guard, as facts,
+and bring dozens). A `<details>` block is a
 question and its answer (its `<summary>` and the rest): one label-value pair.
 """
 
@@ -191,6 +193,13 @@ class _Reader:
                 self.flush(kind, _drop(region))  # the menu's other text may hold a fact
                 self._buffer.append(_text_of(child, furniture))
                 self.flush(kind, "navigation")
+            elif tag in _INLINE and (contact := _contact_target(child)):
+                # The value first, the link's words after it.
+                worded = bool(inline(child.text(deep=True) or ""))
+                self._buffer.append(f"{contact} (" if worded else contact)
+                if worded:
+                    self.walk(child, region, kind)
+                    self._buffer.append(")")
             elif tag in _INLINE:
                 self.walk(child, region, kind)
                 self._buffer.append(_link_target(child, furniture))
@@ -213,7 +222,7 @@ class _Reader:
             self.blocks.append(Block("pair", qa[1], label=qa[0], drop=_drop(region)))
         else:
             if tag in _REGIONS:  # a page region's lines are not under the last heading read
-                self.blocks.append(Block("heading", ""))
+                self.blocks.append(Block("heading", "", label=tag))
             inner: BlockKind = "heading" if tag in _HEADINGS else "item" if tag == "li" else kind
             self.walk(node, region, inner)
             self.flush(inner, _drop(region))
@@ -293,6 +302,9 @@ def _joined(nodes: Iterable[LexborNode], furniture: bool) -> str:
             parts.append(child.text(deep=False) or "")
         elif tag.startswith("-") or tag in _SKIP:
             continue
+        elif tag in _INLINE and (contact := _contact_target(child)):
+            words = _text_of(child, furniture)
+            parts.append(f"{contact} ({words})" if words else contact)
         elif tag in _INLINE:
             parts.append(_text_of(child, furniture) + _link_target(child, furniture))
         else:
@@ -300,23 +312,34 @@ def _joined(nodes: Iterable[LexborNode], furniture: bool) -> str:
     return inline("".join(parts))
 
 
+def _contact_target(node: LexborNode) -> str:
+    """A `tel:` or `mailto:` link's phone or address when its text does not show it ("Phone:
+    <a href="tel:+3904…">call us</a>"), else "". It is written first, the link's words after
+    it in brackets ("Phone: +3904… (call us)"): the label before the link labels the value."""
+    if node.tag != "a":
+        return ""
+    href = (node.attributes.get("href") or "").strip()
+    scheme, _, target = href.partition(":")
+    if scheme.lower() not in ("tel", "mailto") or not target:
+        return ""
+    target = unquote(target.split("?", 1)[0]).strip()
+    return "" if target in inline(node.text(deep=True) or "") else target
+
+
 def _link_target(node: LexborNode, furniture: bool) -> str:
-    """The target in brackets for a link whose text does not show it, else "": `tel:` and
-    `mailto:` anywhere, absolute http(s) links outside furniture."""
+    """The target in brackets for an absolute http(s) link outside furniture whose text does
+    not show it, else ""."""
     if node.tag != "a":
         return ""
     href = (node.attributes.get("href") or "").strip()
     scheme, _, target = href.partition(":")
     shown = inline(node.text(deep=True) or "")
-    if scheme.lower() in ("http", "https"):
-        if furniture or not target.startswith("//") or len(target) <= 2:
-            return ""
-        bare = _WEB_PREFIX.sub("", href).rstrip("/").lower()
-        return "" if bare in shown.lower() else f" ({href})"
-    if scheme.lower() not in ("tel", "mailto") or not target:
+    if scheme.lower() not in ("http", "https"):
         return ""
-    target = unquote(target.split("?", 1)[0]).strip()
-    return "" if not target or target in shown else f" ({target})"
+    if furniture or not target.startswith("//") or len(target) <= 2:
+        return ""
+    bare = _WEB_PREFIX.sub("", href).rstrip("/").lower()
+    return "" if bare in shown.lower() else f" ({href})"
 
 
 _WEB_PREFIX = re.compile(r"^https?://(?:www\.)?", re.IGNORECASE)

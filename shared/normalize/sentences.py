@@ -29,6 +29,17 @@ def language(text: str) -> str:
 
 
 def sentences(text: str, lang: str | None = None) -> list[str]:
-    """The sentences of `text`, stripped, in order; their concatenation is the text."""
-    parts = [s.strip() for s in segment(lang or language(text), text)]
-    return [s for s in parts if s]
+    """The sentences of `text`, stripped, in order; their concatenation is the text.
+
+    A piece without a lowercase letter is not a sentence of its own but the value after an
+    abbreviation the splitter took for a sentence's end ("USt-IdNr. DE 271828182",
+    "Tel. 030 1234"): it stays with the sentence before it, so a label keeps its value."""
+    merged: list[str] = []
+    for part in (s.strip() for s in segment(lang or language(text), text)):
+        if not part:
+            continue
+        if merged and not any(c.islower() for c in part):
+            merged[-1] = f"{merged[-1]} {part}"
+        else:
+            merged.append(part)
+    return merged

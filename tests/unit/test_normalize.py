@@ -298,3 +298,21 @@ def test_blocks_read_what_each_type_holds() -> None:
             ),
         )
     ]
+
+
+def test_facts_keep_the_title_and_put_the_footer_after_it() -> None:
+    html = (
+        "<h1>Bottega Rossi</h1><p>Siamo una piccola squadra di appassionati.</p>"
+        "<h2>Prezzi</h2><p>Il tagliando costa € 35.</p>"
+        '<footer><p>Bottega Rossi di Anna Rossi<br>Telefono: <a href="tel:+390451234567">'
+        "chiamaci</a><br>Amtsgericht Potsdam · USt-IdNr. DE 271828182</p></footer>"
+    )
+    lines = normalize(html, "facts").text.split("\n")
+    assert lines == [
+        "Bottega Rossi",  # the title, though its section holds only filler
+        "Bottega Rossi di Anna Rossi",  # a footer's line is never filler
+        "Telefono: +390451234567 (chiamaci)",  # a contact link's value before its words
+        "Amtsgericht Potsdam · USt-IdNr. DE 271828182",  # no sentence ends after "IdNr."
+        "Prezzi",
+        "Il tagliando costa € 35.",
+    ]
