@@ -102,7 +102,9 @@ def test_a_job_without_room_waits_in_redis_and_interactive_goes_before_batch(
     stack_factory: Callable[..., Stack],
 ) -> None:
     stack = stack_factory(worker={"max_active_jobs": 2})
-    busy = [submit(stack, {**COUNTING, "max_tokens": 400}) for _ in range(2)]
+    # As long as a sequence allows (n_ctx 1024): they must not end before they are cancelled,
+    # and with both rows in one pass two 400-token jobs could end while the test looks.
+    busy = [submit(stack, {**COUNTING, "max_tokens": 960}) for _ in range(2)]
     for job in busy:
         first_tokens(stack, job["id"], 1)
     item = {"document": "The shop opens at 9.", "questions": [{"id": "q", "question": "When?"}]}
