@@ -247,15 +247,26 @@ def section(settings: Settings, log_dir: Path, server: Path | None) -> str:
             rows, mix = measure(url, name, offset * 10_000, pid)
         loads += rows
         mixes.append(mix)
-    if server is not None and server.exists():
-        with llama_server(server, settings, log_dir) as (url, pid):
-            rows, mix = measure(url, "llama-server -np 8 -kvu", 90_000, pid)
-        loads += rows
-        mixes.append(mix)
-    return _render(loads, mixes, peer=server is not None and server.exists())
+    peer = server is not None and server.exists()
+    peer_failure = None
+    if server is not None and peer:
+        try:
+            with llama_server(server, settings, log_dir) as (url, pid):
+                rows, mix = measure(url, "llama-server -np 8 -kvu", 90_000, pid)
+            loads += rows
+            mixes.append(mix)
+        except httpx.HTTPError as exc:  # the peer failing must not cost granary's rows
+            peer_failure = f"{type(exc).__name__}: {exc}; its log ends:\n" + _log_tail(log_dir)
+    return _render(loads, mixes, peer=peer, peer_failure=peer_failure)
 
 
-def _render(loads: list[LoadRow], mixes: list[MixRow], peer: bool) -> str:
+def _log_tail(log_dir: Path, lines: int = 12) -> str:
+    log = log_dir / "llama-server.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _render(loads: list[LoadRow], mixes: list[MixRow], peer: bool, peer_failure: str | None) -> str:
     peer_rows = {r.clients: r for r in loads if r.system.startswith("llama-server")}
     lines = [
         "## Many users on one worker (the Conclave)",
@@ -277,6 +288,8 @@ def _render(loads: list[LoadRow], mixes: list[MixRow], peer: bool) -> str:
         )
     if not peer:
         lines += ["", "llama-server was not built (`make peer-server`): no peer column."]
+    if peer_failure is not None:
+        lines += ["", "llama-server FAILED during this run:", "", "```", peer_failure, "```"]
     lines += [
         "",
         "A ~3,000-token document question, and four short chats arriving 1 s later "
