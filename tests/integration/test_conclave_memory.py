@@ -11,7 +11,8 @@ from llama_cpp import Llama
 
 from shared.settings import Settings
 from tests.conftest import DATA_DIR
-from worker.conclave.memory import Memory, Resident
+from worker import kv_state
+from worker.conclave.memory import Memory, Resident, Reuse
 from worker.decode_batch import fill_batch, llama_batch
 from worker.multi_sequence import load_multi_sequence_llama
 
@@ -118,3 +119,29 @@ def test_an_idle_resident_in_the_window_moves_aside_with_its_cells(llama: Llama)
     idle = filled[1][0]
     assert idle.idle and idle.seq not in seqs
     assert_same(before, [next_logits(llama, r, t) for r, t in filled])
+
+
+def test_a_state_loaded_over_a_copy_source_does_not_reach_the_copy(llama: Llama) -> None:
+    """llama.cpp makes a queued copy at the next decode, reading the source then."""
+    mem = llama_cpp.llama_get_memory(llama.ctx)
+    llama_cpp.llama_memory_clear(mem, True)
+    memory = Memory(mem, 2, block_tokens=256, truncatable=True)
+    other, _ = fill(llama, memory, PROMPTS[1])
+    other_state = kv_state.capture(llama, other.seq)
+    memory.forget(other)
+    source, tokens = fill(llama, memory, PROMPTS[0])
+    expected = next_logits(llama, source, tokens)
+    # A new stream shares the busy source's prefix: it gets a queued copy of its buffer.
+    copy = memory.claim(None, Reuse(source, len(tokens) - 1))
+    assert copy.seq != source.seq
+    memory.release(source)
+    # The source, now the only idle sequence, goes to a stream restoring another state from
+    # disk before anything decodes: what the loop's `_restore` does.
+    taken = memory.claim(None, None)
+    assert taken.seq == source.seq and memory.copies_pending_from(taken.seq)
+    decode(llama, [(0, 0, taken.seq)])  # the loop's throwaway cell (without it, this fails)
+    memory.copies_made()
+    assert not memory.copies_pending_from(taken.seq)
+    assert kv_state.restore_into(llama, taken.seq, other_state, len(other.tokens))
+
+    assert_same([expected], [next_logits(llama, copy, tokens)])

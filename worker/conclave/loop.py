@@ -280,6 +280,10 @@ class Conclave:
         self._prefilled_to(stream)
 
     def _restore(self, stream: _Stream, hit: CacheHit) -> int:
+        if self._memory.copies_pending_from(stream.seq):
+            # One throwaway cell makes llama.cpp copy out of the sequence before it is loaded
+            # over; the restore drops the cell.
+            self._decode([(0, 0, stream.seq)], logits=False)
         if kv_state.restore_into(self.llama, stream.seq, hit.state, hit.n_tokens):
             return hit.n_tokens
         log.warning("cached state %s did not load into sequence %d", hit.key, stream.seq)
@@ -484,6 +488,7 @@ class Conclave:
         status = llama_cpp.llama_decode(self.llama.ctx, self._batch)
         if status != 0:
             raise RuntimeError(f"llama_decode failed with status {status}")
+        self._memory.copies_made()
 
     def _logits(self, row: int) -> Logits:
         pointer = llama_cpp.llama_get_logits_ith(self.llama.ctx, row)

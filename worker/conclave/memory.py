@@ -77,6 +77,9 @@ class Memory:
         self._n_seq = n_seq
         self._free = set(range(n_seq))
         self._residents: dict[int, Resident] = {}
+        # Sources of buffer copies llama.cpp has queued but not made: it makes them at the next
+        # decode, reading the source's buffer then (`seq_cp` across streams in llama-kv-cache).
+        self._copy_sources: set[int] = set()
 
     def residents(self) -> Iterator[Resident]:
         return iter(self._residents.values())
@@ -134,6 +137,7 @@ class Memory:
             self._residents[resident.seq] = resident
             if reuse is not None:  # a buffer per sequence: only whole copies are possible
                 llama_cpp.llama_memory_seq_cp(self._mem, reuse.source.seq, resident.seq, -1, -1)
+                self._copy_sources.add(reuse.source.seq)
                 resident.tokens = list(reuse.source.tokens)
                 resident.prefilled = reuse.source.prefilled
                 resident.breaks = reuse.source.breaks
@@ -143,6 +147,15 @@ class Memory:
         resident.idle = False
         resident.used_at = time.monotonic()
         return resident
+
+    def copies_pending_from(self, seq: int) -> bool:
+        """Whether a queued copy still reads `seq`: a state loaded into it first would be what
+        the copy gets, so the loader must have a decode run before (see `copies_made`)."""
+        return seq in self._copy_sources
+
+    def copies_made(self) -> None:
+        """A decode ran: llama.cpp made every queued copy."""
+        self._copy_sources.clear()
 
     def forget(self, resident: Resident) -> None:
         """Drop a sequence's cells (a failed stream's memory may be half-written)."""
@@ -224,6 +237,7 @@ class Memory:
         """Copy `resident`'s buffer into the empty sequence `seq` and free its own."""
         old = resident.seq
         llama_cpp.llama_memory_seq_cp(self._mem, old, seq, -1, -1)
+        self._copy_sources.add(old)
         llama_cpp.llama_memory_seq_rm(self._mem, old, -1, -1)
         del self._residents[old]
         self._free.discard(seq)
