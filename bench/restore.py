@@ -43,9 +43,9 @@ def section(settings: Settings, cache_dir: Path, rounds: int) -> str:
         text = document(90, seed=90).encode()
         tokens = llama.tokenize(text, add_bos=True, special=True)[:N_TOKENS]
         llama.eval(tokens[:BASE_TOKENS])  # whole batches: the same cells as one eval of all
-        base_state = kv_state.capture(llama)
+        base_state, _ = kv_state.capture(llama)
         llama.eval(tokens[BASE_TOKENS:])
-        state = kv_state.capture(llama)
+        state, _ = kv_state.capture(llama)
         block = settings.cache.block_tokens
         store = DirectoryBlobStore(cache_dir)
         cache = PrefixCache(store, FINGERPRINT, block_tokens=block)

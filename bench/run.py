@@ -81,11 +81,11 @@ def _prefix_cache_sections(redis_url: str, log_dir: Path, quick: bool) -> list[s
     return [prefix_cache.TTFT_HEADER + "\n".join(rows) + "\n", storage]
 
 
-def _chat_document_section(redis_url: str, log_dir: Path) -> str:
+def _chat_document_section(redis_url: str, log_dir: Path, server: Path | None) -> str:
     settings = _settings(
         redis_url, "qwen2.5-0.5b", n_ctx=4096, cache={"dir": log_dir / "chat-document-kv"}
     )
-    return chat_document.section(settings, log_dir, seed=int(time.time()) % 10_000)
+    return chat_document.section(settings, log_dir, server, seed=int(time.time()) % 10_000)
 
 
 def _restore_section(redis_url: str, log_dir: Path, quick: bool) -> str:
@@ -218,7 +218,8 @@ def main() -> None:
     parser.add_argument(
         "--peer-server",
         type=Path,
-        help="llama.cpp's llama-server (make peer-server), for conclave and cold_prefill",
+        help="llama.cpp's llama-server (make peer-server), for conclave, cold_prefill and "
+        "chat_document",
     )
     parser.add_argument(
         "--invariant-site",
@@ -243,7 +244,7 @@ def main() -> None:
             "job_path": lambda: [_job_path_section(redis_url, log_dir, args.quick)],
             "prefix_cache": lambda: _prefix_cache_sections(redis_url, log_dir, args.quick),
             "restore": lambda: [_restore_section(redis_url, log_dir, args.quick)],
-            "chat_document": lambda: [_chat_document_section(redis_url, log_dir)],
+            "chat_document": lambda: [_chat_document_section(redis_url, log_dir, args.peer_server)],
             "result_cache": lambda: [_result_cache_section(redis_url, log_dir, args.quick)],
             "warm": lambda: [_warm_section(redis_url, log_dir, args.quick)],
             "extraction": lambda: [_extraction_section(redis_url, log_dir)],

@@ -320,7 +320,7 @@ class Engine:
         if cache is None or self._saver is None or end < self._min_snapshot_tokens:
             return
         inside = tuple(b for b in prompt.breaks if b < end)
-        self._saver.submit(cache, prompt.tokens[:end], kv_state.capture(self.llama), inside)
+        self._saver.snapshot(cache, self.llama, kv_state.SEQ, prompt.tokens[:end], inside)
 
     def _snapshot_points(self, prompt: _Prompt, start: int, end: int) -> set[int]:
         if self._saver is None:

@@ -409,7 +409,9 @@ class PrefixCache:
 
     # ---- save -------------------------------------------------------------
 
-    def save(self, tokens_prefix: Sequence[int], state: bytes, breaks: Sequence[int] = ()) -> bool:
+    def save(
+        self, tokens_prefix: Sequence[int], state: bytes | memoryview, breaks: Sequence[int] = ()
+    ) -> bool:
         """Store ``state`` for ``tokens_prefix``; True if it is cached afterwards.
 
         ``breaks``: where the prefill that computed it ended chunks inside it besides the block

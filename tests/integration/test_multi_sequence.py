@@ -177,7 +177,7 @@ def _bench(model: str, n_ctx: int, n_seq_max: int, lines: int, tolerance: float)
     single = load_llama(settings)
     prefix, tails = _prompts(single, lines, 16)
     _prefill(single, prefix, 0, len(prefix))
-    state = kv_state.capture(single)
+    state, _ = kv_state.capture(single)
     # The multi-sequence side prefills its own prefix, as a worker without the cache would.
     _prefill(multi, prefix, 0, len(prefix))
     yield Bench(multi, single, prefix, tails, state, tolerance)

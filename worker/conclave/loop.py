@@ -337,9 +337,10 @@ class Conclave:
         if chunk_end in stream.snapshots:
             cache = self._cache_for(request.namespace)
             if cache is not None and self._saver is not None:
-                state = kv_state.capture(self.llama, stream.seq)
                 inside = tuple(b for b in request.breaks if b < chunk_end)
-                self._saver.submit(cache, request.tokens[:chunk_end], state, inside)
+                self._saver.snapshot(
+                    cache, self.llama, stream.seq, request.tokens[:chunk_end], inside
+                )
         self._prefilled_to(stream)
 
     def _prefilled_to(self, stream: _Stream) -> None:
