@@ -312,7 +312,6 @@ class ConclaveWorker(GranaryWorker):
         self, timeout: int | None, max_idle_time: int | None = None
     ) -> tuple[Job, Queue] | None:
         """The next job once there is room; None once a stop is requested."""
-        wait = timeout or 1
         if not self._ticking:  # registered by now: start advertising
             self._ticking = True
             self._ticker.start()
@@ -325,7 +324,10 @@ class ConclaveWorker(GranaryWorker):
                 q for q in self._all_queues if q.name != WARM or not (warm_running or self._active)
             ]
             # rq's loop returns only with a job or when idle too long; a stop requested while
-            # jobs run (the worker is busy, so rq only sets a flag) must end it too.
+            # jobs run (the worker is busy, so rq only sets a flag, and no signal interrupts
+            # the BLPOP) must end it too, as soon as the last one ends: so wait a second at a
+            # time while any runs.
+            wait = 1 if self._active else (timeout or 1)
             result = super().dequeue_job_and_maintain_ttl(wait, wait)
             if result is not None:
                 return self._as_shared(*result)

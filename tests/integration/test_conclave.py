@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -137,3 +138,19 @@ def test_a_short_prompt_is_not_stuck_behind_a_long_prefill(
     long_view, short_view = finish_all(stack, [long, short])
     assert long_view["usage"]["prompt_tokens"] > 700
     assert short_view["finished_at"] < long_view["finished_at"]
+
+
+def test_a_stop_asked_while_a_job_runs_ends_the_worker_when_the_job_ends(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # The default heartbeat: rq's dequeue then waits 30 s on Redis, which a stop asked while
+    # the worker was busy used to sit out after its last job.
+    stack = stack_factory(worker={"heartbeat_ttl_s": 30})
+    job = submit(stack, {**COUNTING, "max_tokens": 40})
+    first_tokens(stack, job["id"], 1)
+    worker = stack.procs["worker-1"]
+    worker.terminate()  # SIGTERM: finish the running job, then stop
+    assert wait_status(stack, job["id"], {"finished"})["status"] == "finished"
+    ended = time.monotonic()
+    worker.wait(timeout=20)
+    assert time.monotonic() - ended < 8
