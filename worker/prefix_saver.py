@@ -2,16 +2,18 @@
 
 A job hands over its snapshot and goes on decoding; the first token never waits for disk. The
 queue is bounded: when the disk is slower than the jobs, snapshots are dropped (and counted),
-never the jobs slowed. For the same reason the thread runs at the lowest CPU priority, and a
-snapshot is copied out of llama.cpp once, into a buffer an earlier one used.
+never the jobs slowed. For the same reason a snapshot is copied out of llama.cpp once, into a
+buffer an earlier one used.
+
+The thread keeps the process's CPU priority. At nice 19 it never took a core from llama.cpp's
+threads, but under steady load it starved: the storage bench's back-to-back documents had
+their snapshots dropped, and a cache that stops saving under load stops getting faster.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import sys
 import threading
 
 import numpy as np
@@ -67,7 +69,6 @@ class PrefixSaver:
         self._thread.join()
 
     def _run(self) -> None:
-        _yield_cpu()
         while (item := self._pending.get()) is not _STOP:
             cache, tokens, state, breaks, buffer = item
             try:
@@ -80,13 +81,3 @@ class PrefixSaver:
                     self._spare.put(buffer)
                 self._pending.task_done()
         self._pending.task_done()
-
-
-def _yield_cpu() -> None:
-    """Run this thread at the lowest CPU priority. A save reads and compares blobs of tens of
-    MB; at normal priority it takes a core from llama.cpp's threads, which wait for each other
-    at every barrier, so a job decoding meanwhile (the first token right after a snapshot)
-    slows by all of it. At nice 19 it runs in the gaps between steps and when the model idles.
-    Linux gives each thread its own nice value; elsewhere the thread keeps the process's."""
-    if sys.platform == "linux":
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
