@@ -19,7 +19,7 @@ else
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON
 endif
 
-.PHONY: run test bench soak lint install tools wheel wheel-invariant peer-server clean
+.PHONY: run test bench soak lint install tools wheel wheel-invariant wheel-row-invariant peer-server clean
 
 run: $(STAMP)
 	$(BIN)/granary prepare >/dev/null
@@ -28,8 +28,9 @@ run: $(STAMP)
 test: $(STAMP) tools
 	$(BIN)/python -m pytest -q -ra
 
-bench: $(STAMP) wheel-invariant peer-server
-	$(BIN)/python -m bench.run --invariant-site $(INVARIANT_SITE) --peer-server $(PEER_SERVER)
+bench: $(STAMP) wheel-invariant wheel-row-invariant peer-server
+	$(BIN)/python -m bench.run --invariant-site $(INVARIANT_SITE) \
+	  --row-invariant-site $(ROW_INVARIANT_SITE) --peer-server $(PEER_SERVER)
 
 # Not part of `make test`: 1,000 SSE listeners and a 30 s Redis outage (a few minutes); writes docs/SOAK.md.
 soak: $(STAMP)
@@ -74,6 +75,44 @@ wheel-invariant: $(STAMP)
 	    --no-binary llama-cpp-python -w $(INVARIANT_DIR) llama-cpp-python==$(LLAMA_VERSION) && \
 	  $(BIN)/pip install -q --no-deps --target $(INVARIANT_SITE) \
 	    $(INVARIANT_DIR)/llama_cpp_python-$(LLAMA_VERSION)-*.whl; }
+
+# For bench/batch_rows.py only: llama.cpp whose three row-count-dependent kernels (llamafile's
+# sgemm, repacked weights' gemm, the tiled K-quant path; ARM's two-row mmla dot too) start at
+# ROW_INVARIANT_BELOW rows instead of 2, 4 or 8, so a decode step of fewer rows computes each row
+# as a lone decode does, while prefill chunks keep the fast kernels. Each patch must match once.
+ROW_INVARIANT_BELOW := 32
+ROW_INVARIANT_DIR := $(WHEEL_DIR)/row-invariant
+ROW_INVARIANT_SITE := $(ROW_INVARIANT_DIR)/site
+ROW_INVARIANT_SRC := $(ROW_INVARIANT_DIR)/src/llama_cpp_python-$(LLAMA_VERSION)
+CPU_SRC := $(ROW_INVARIANT_SRC)/vendor/llama.cpp/ggml/src/ggml-cpu
+N := $(ROW_INVARIANT_BELOW)
+wheel-row-invariant: $(STAMP)
+	@test -d $(ROW_INVARIANT_SITE)/llama_cpp || { \
+	  echo "building row-invariant llama-cpp-python $(LLAMA_VERSION) (4-5 minutes)..." && \
+	  rm -rf $(ROW_INVARIANT_DIR) && mkdir -p $(ROW_INVARIANT_DIR)/src && \
+	  $(BIN)/pip download -q --no-deps --no-binary :all: -d $(ROW_INVARIANT_DIR)/src \
+	    llama-cpp-python==$(LLAMA_VERSION) && \
+	  tar xzf $(ROW_INVARIANT_DIR)/src/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(ROW_INVARIANT_DIR)/src && \
+	  edit() { grep -qF "$$2" "$$1" && sed -i "s/$$3/$$4/" "$$1" && grep -qF "$$5" "$$1" || \
+	    { echo "$$1: no '$$2' to patch"; exit 1; }; } && \
+	  edit $(CPU_SRC)/llamafile/sgemm.cpp '    if (n < 2)' '^    if (n < 2)$$' '    if (n < $(N))' \
+	    '    if (n < $(N))' && \
+	  edit $(CPU_SRC)/repack.cpp '        if (nrows > 3) {' '^        if (nrows > 3) {$$' \
+	    '        if (nrows >= $(N)) {' '        if (nrows >= $(N)) {' && \
+	  edit $(CPU_SRC)/repack.cpp 'for (int iter = nrows - (nrows % 4); iter < nrows' \
+	    'for (int iter = nrows - (nrows % 4); iter < nrows' \
+	    'for (int iter = nrows >= $(N) ? nrows - (nrows % 4) : 0; iter < nrows' \
+	    'nrows >= $(N) ? nrows - (nrows % 4) : 0' && \
+	  edit $(CPU_SRC)/tiled/tiled.cpp 'return rows >= 8 ||' 'return rows >= 8 ||' \
+	    'return rows >= $(N) ||' 'return rows >= $(N) ||' && \
+	  edit $(CPU_SRC)/ggml-cpu.c 'if ((nr0 % 2 != 0) || (ne11 % 2 != 0)' \
+	    'if ((nr0 % 2 != 0) || (ne11 % 2 != 0)' 'if ((ne11 < $(N)) || (nr0 % 2 != 0) || (ne11 % 2 != 0)' \
+	    '(ne11 < $(N)) ||' && \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip wheel --no-deps --no-cache-dir \
+	    -w $(ROW_INVARIANT_DIR) $(ROW_INVARIANT_SRC) && \
+	  $(BIN)/pip install -q --no-deps --target $(ROW_INVARIANT_SITE) \
+	    $(ROW_INVARIANT_DIR)/llama_cpp_python-$(LLAMA_VERSION)-*.whl && \
+	  rm -rf $(ROW_INVARIANT_DIR)/src; }
 
 # For bench/conclave.py only: llama.cpp's own `llama-server`, built from the llama.cpp that the
 # llama-cpp-python sdist vendors (the same kernels granary runs), with the same CPU flags.

@@ -5,11 +5,12 @@ again as one batch of n rows (speculative verification's shape). For each n: the
 difference between a row's logits in the batch and the same token's logits decoded alone, and
 the time of one pass of n rows against one of a single row (median of 5). Also prefill speed.
 
-Two kernel setups, each in its own process: the wheel `make install` builds, and a
-batch-invariant one (`make wheel-invariant`): llama.cpp built without llamafile's sgemm, and
-run without weight repacking (`use_extra_bufts`) or the tiled K-quant path
-(`GGML_CPU_TILED_MM=0`). Those three pick their code path by the number of rows; without them
-every output element is one dot product whatever the batch.
+Kernel setups, each in its own process: the wheel `make install` builds; a batch-invariant one
+(`make wheel-invariant`): llama.cpp built without llamafile's sgemm, and run without weight
+repacking (`use_extra_bufts`) or the tiled K-quant path (`GGML_CPU_TILED_MM=0`). Those three
+pick their code path by the number of rows; without them every output element is one dot
+product whatever the batch. And a row-invariant one (`make wheel-row-invariant`): the same
+three kernels, taken only from 32 rows up.
 
 `python -m bench.batch_rows MODEL DATA_DIR [--threads N] [--no-repack]` measures one model and prints JSON.
 """
@@ -123,29 +124,44 @@ def _without_repack() -> None:
     llama_cpp.llama_cpp.llama_model_default_params = params
 
 
-def _run(settings: Settings, invariant_site: Path | None) -> Measured:
-    """One model in a fresh process, with the stock wheel or the batch-invariant one."""
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """A kernel setup: which llama-cpp-python, and what is turned off at run time."""
+
+    site: Path | None  # None: the venv's own wheel
+    no_repack: bool = False
+    no_tiled: bool = False
+
+
+def _run(settings: Settings, setup: Setup) -> Measured:
+    """One model in a fresh process, with one kernel setup."""
     command = [sys.executable, "-m", "bench.batch_rows", settings.model, str(settings.data_dir)]
     command += ["--threads", str(settings.threads)]
     env = dict(os.environ)
-    if invariant_site is not None:
+    if setup.no_repack:
         command.append("--no-repack")
-        env["PYTHONPATH"] = os.pathsep.join([str(invariant_site), env.get("PYTHONPATH", "")])
+    if setup.no_tiled:
         env["GGML_CPU_TILED_MM"] = "0"
+    if setup.site is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(setup.site), env.get("PYTHONPATH", "")])
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
     data = json.loads(out)
-    if invariant_site is not None and not data["library"].startswith(str(invariant_site)):
-        raise RuntimeError(f"measured {data['library']}, not the wheel in {invariant_site}")
+    if setup.site is not None and not data["library"].startswith(str(setup.site)):
+        raise RuntimeError(f"measured {data['library']}, not the wheel in {setup.site}")
     return Measured(data["prefill_tok_s"], [RowCost(**c) for c in data["costs"]])
 
 
-def section(models: list[Settings], invariant_site: Path | None) -> str:
-    setups: dict[str, Path | None] = {"stock": None}
+def section(
+    models: list[Settings], invariant_site: Path | None, row_invariant_site: Path | None = None
+) -> str:
+    setups: dict[str, Setup] = {"stock": Setup(None)}
     if invariant_site is not None:
-        setups["batch-invariant"] = invariant_site
+        setups["batch-invariant"] = Setup(invariant_site, no_repack=True, no_tiled=True)
+    if row_invariant_site is not None:
+        setups["row-invariant below 32"] = Setup(row_invariant_site)
     rows, prefill = [], []
     for settings in models:
-        measured = {name: _run(settings, site) for name, site in setups.items()}
+        measured = {name: _run(settings, setup) for name, setup in setups.items()}
         stock_prefill = measured["stock"].prefill_tok_s
         for name, result in measured.items():
             prefill.append(
@@ -158,10 +174,13 @@ def section(models: list[Settings], invariant_site: Path | None) -> str:
                 f"{c.pass_ms / single:.2f} | {c.rows * single / c.pass_ms:.2f} |"
                 for c in result.costs
             ]
-    missing = (
-        ""
-        if invariant_site is not None
-        else "\nThe batch-invariant wheel was not given (`make wheel-invariant`): stock only.\n"
+    missing = "".join(
+        f"\nThe {name} wheel was not given (`make {target}`): no rows for it.\n"
+        for name, target, site in (
+            ("batch-invariant", "wheel-invariant", invariant_site),
+            ("row-invariant", "wheel-row-invariant", row_invariant_site),
+        )
+        if site is None
     )
     return HEADER + "\n".join(rows) + "\n" + PREFILL_HEADER + "\n".join(prefill) + "\n" + missing
 
@@ -177,17 +196,20 @@ greedy verification decides a row again alone when its top two logits are closer
 logits for all of them. "Bound" is rows / (pass / one row): the speed-up of a draft of n - 1
 tokens that is accepted whole, the most speculation can give at that length.
 
-Two kernel setups (`bench/batch_rows.py`): **stock** is the wheel `make install` builds;
+Three kernel setups (`bench/batch_rows.py`): **stock** is the wheel `make install` builds;
 **batch-invariant** is llama.cpp built without llamafile's sgemm and run without weight
 repacking and without the tiled K-quant path, the three kernels that change code path with
-the number of rows (`make wheel-invariant`).
+the number of rows (`make wheel-invariant`); **row-invariant below 32** keeps all three but
+lets them start at 32 rows instead of 2, 4 and 8 (`make wheel-row-invariant` patches the
+thresholds in llama.cpp's source), so a decode step of fewer rows computes each row as a lone
+decode does while a 256-token prefill chunk keeps the fast kernels.
 
 | model | kernels | rows | drift (max abs logit) | pass ms | pass / one row | bound |
 |---|---|---|---|---|---|---|
 """
 
 PREFILL_HEADER = """
-Prefill of a 256-token chunk (median of 5), the same two setups:
+Prefill of a 256-token chunk (median of 5), the same setups:
 
 | model | kernels | prefill tok/s | vs stock |
 |---|---|---|---|

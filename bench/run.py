@@ -1,6 +1,7 @@
 """`make bench`: run every benchmark and write docs/BENCHMARKS.md.
 
 Usage: python -m bench.run [--quick] [--only SUITE [--write]] [--redis URL] [--invariant-site DIR]
+                            [--row-invariant-site DIR]
 """
 
 from __future__ import annotations
@@ -152,9 +153,12 @@ def _speculation_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     return speculation.section(settings, runs, rounds)
 
 
-def _batch_rows_section(redis_url: str, invariant_site: Path | None) -> str:
+def _batch_rows_section(
+    redis_url: str, invariant_site: Path | None, row_invariant_site: Path | None
+) -> str:
     models = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
-    return batch_rows.section([_settings(redis_url, m) for m in models], invariant_site)
+    settings = [_settings(redis_url, m) for m in models]
+    return batch_rows.section(settings, invariant_site, row_invariant_site)
 
 
 def _chunk_shape_section(redis_url: str) -> str:
@@ -231,6 +235,12 @@ def main() -> None:
         type=Path,
         help="with --only exam: grade the answers saved in this exam-runs.json again, run no model",
     )
+    parser.add_argument(
+        "--row-invariant-site",
+        type=Path,
+        help="llama-cpp-python whose row-count kernels start at 32 rows (make "
+        "wheel-row-invariant), for batch_rows",
+    )
     parser.add_argument("--redis", help="a Redis URL to use instead of a private redis-server")
     args = parser.parse_args()
     with (
@@ -249,7 +259,9 @@ def main() -> None:
             "warm": lambda: [_warm_section(redis_url, log_dir, args.quick)],
             "extraction": lambda: [_extraction_section(redis_url, log_dir)],
             "speculation": lambda: [_speculation_section(redis_url, log_dir, args.quick)],
-            "batch_rows": lambda: [_batch_rows_section(redis_url, args.invariant_site)],
+            "batch_rows": lambda: [
+                _batch_rows_section(redis_url, args.invariant_site, args.row_invariant_site)
+            ],
             "chunk_shape": lambda: [_chunk_shape_section(redis_url)],
             "conclave": lambda: [_conclave_section(redis_url, log_dir, args.peer_server)],
             "cold_prefill": lambda: [
