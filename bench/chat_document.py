@@ -2,8 +2,8 @@
 
 What OpenAI clients send: one user message holding a ~3,000-token document, a blank line and
 a question (Qwen2.5-0.5B, 2 threads, greedy, streaming `/v1/chat/completions`, timed at the
-client). A first question prefills cold; three more follow in the same server process (memory);
-then the server restarts before each of three more (granary: only the cache directory can
+client). A first question prefills cold; five more follow in the same server process (memory);
+then the server restarts before each of five more (granary: only the cache directory can
 help). llama.cpp's `llama-server -np 8 -kvu` answers the same questions about another document
 of the same length in the same run (its default: no slot files, so a restart starts cold).
 granary's prompt breaks (worker/prompt_breaks.py) end a chunk where the question starts, so the
@@ -36,8 +36,12 @@ QUESTIONS = (
     "Which shelves did clerk 12 check?",
     "On which shelf are the apples checked on day 5?",
     "How many shelves hold plums?",
+    "Which clerk checked the shelf with the fewest crates?",
+    "On which day were the most shelves checked?",
+    "How many crates of apples are on shelf 44?",
+    "Which shelf did clerk 20 check last?",
 )
-REPEATS = 3
+REPEATS = 5
 TARGET_S = 0.35
 PEER = "llama-server -np 8 -kvu"
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import llama_cpp
+from llama_cpp import Llama
 from redis import Redis
 
 from shared.job_store import JobStore
@@ -17,6 +19,7 @@ from shared.warm_runs import WarmRuns
 from worker import tasks
 from worker.conclave.engine import ConclaveEngine
 from worker.conclave.loop import Conclave
+from worker.decode_batch import fill_batch, llama_batch
 from worker.engine import Engine, memory_is_truncatable
 from worker.multi_sequence import load_multi_sequence_llama
 from worker.prefix_saver import PrefixSaver
@@ -33,9 +36,27 @@ def build_engine(settings: Settings) -> Engine | ConclaveEngine:
     return build_one_job_engine(settings)
 
 
+def warm_up(llama: Llama) -> None:
+    """One throwaway decode before the first job, as llama-server makes at start. The weights
+    are mapped from the model file, so the first decode after a start takes the page faults of
+    every weight it reads (tens of thousands for Qwen2.5-0.5B) and llama.cpp's first-use setup:
+    without this, the first request after a restart paid for them in its time to first token.
+    The cell is cleared with its data, so no job sees it."""
+    started = time.perf_counter()
+    vocab = llama_cpp.llama_model_get_vocab(llama.model)
+    token = max(llama_cpp.llama_vocab_bos(vocab), 0)
+    with llama_batch(1) as batch:
+        fill_batch(batch, [(token, 0, 0)], logits=True)
+        if llama_cpp.llama_decode(llama.ctx, batch) != 0:
+            raise RuntimeError("the warm-up decode failed")
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llama.ctx), True)
+    log.info("warmed up in %.0f ms", (time.perf_counter() - started) * 1000)
+
+
 def build_one_job_engine(settings: Settings) -> Engine:
     # Sequence 0 holds every job's prompt; extraction questions fork into the others.
     llama = load_multi_sequence_llama(settings, settings.worker.max_sequences + 1)
+    warm_up(llama)
     block_tokens = settings.cache.block_tokens
     speculator = _speculator(settings)
     if not settings.cache.enabled:
@@ -51,6 +72,7 @@ def build_conclave(settings: Settings) -> ConclaveEngine:
         llama_cpp.llama_max_parallel_sequences(),
     )
     llama = load_multi_sequence_llama(settings, n_seq, n_ctx=n_seq * settings.n_ctx, unified=False)
+    warm_up(llama)  # before the model thread starts
     truncatable = memory_is_truncatable(llama)
     cache = open_cache(settings, truncatable=truncatable) if settings.cache.enabled else None
     saver = PrefixSaver() if cache is not None else None
