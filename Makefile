@@ -77,9 +77,10 @@ wheel-invariant: $(STAMP)
 	    $(INVARIANT_DIR)/llama_cpp_python-$(LLAMA_VERSION)-*.whl; }
 
 # For bench/batch_rows.py only: llama.cpp whose three row-count-dependent kernels (llamafile's
-# sgemm, repacked weights' gemm, the tiled K-quant path; ARM's two-row mmla dot too) start at
-# ROW_INVARIANT_BELOW rows instead of 2, 4 or 8, so a decode step of fewer rows computes each row
-# as a lone decode does, while prefill chunks keep the fast kernels. Each patch must match once.
+# sgemm, repacked weights' gemm and its 4-row interleaved quantisation of the activations, the
+# tiled K-quant path; ARM's two-row mmla dot too) start at ROW_INVARIANT_BELOW rows instead of
+# 2, 4 or 8, so a decode step of fewer rows computes each row as a lone decode does, while
+# prefill chunks keep the fast kernels. Each patch fails the build if its text is not found.
 ROW_INVARIANT_BELOW := 32
 ROW_INVARIANT_DIR := $(WHEEL_DIR)/row-invariant
 ROW_INVARIANT_SITE := $(ROW_INVARIANT_DIR)/site
@@ -103,6 +104,8 @@ wheel-row-invariant: $(STAMP)
 	    'for (int iter = nrows - (nrows % 4); iter < nrows' \
 	    'for (int iter = nrows >= $(N) ? nrows - (nrows % 4) : 0; iter < nrows' \
 	    'nrows >= $(N) ? nrows - (nrows % 4) : 0' && \
+	  edit $(CPU_SRC)/repack.cpp 'i11 < ne11 - ne11 % 4;' 'ne11 - ne11 % 4' \
+	    '(ne11 >= $(N) ? ne11 - ne11 % 4 : 0)' 'i11 < (ne11 >= $(N) ? ne11 - ne11 % 4 : 0);' && \
 	  edit $(CPU_SRC)/tiled/tiled.cpp 'return rows >= 8 ||' 'return rows >= 8 ||' \
 	    'return rows >= $(N) ||' 'return rows >= $(N) ||' && \
 	  edit $(CPU_SRC)/ggml-cpu.c 'if ((nr0 % 2 != 0) || (ne11 % 2 != 0)' \
