@@ -1,4 +1,5 @@
-"""Where a restore's time goes: reading a blob, checking it, loading it into llama.cpp.
+"""Where a restore's time goes: reading a blob, checking it, loading it into llama.cpp; and
+what the snapshot a save starts with costs the model thread.
 
 A ~3,000-token Qwen2.5-0.5B state is saved to a cache directory on this machine's disk and
 restored as a worker does, with its file in the page cache. Each step is timed on its own,
@@ -73,7 +74,12 @@ def section(settings: Settings, cache_dir: Path, rounds: int) -> str:
             hit = deltas.lookup(prompt)
             assert hit is not None and kv_state.restore(llama, hit.state, tokens, hit.n_tokens)
 
+        _, kept = kv_state.capture(llama)
         rows = {
+            "snapshot: `kv_state.capture` into a new buffer": lambda: kv_state.capture(llama),
+            "snapshot: `kv_state.capture` into a buffer an earlier one used": lambda: (
+                kv_state.capture(llama, buffer=kept)
+            ),
             "read: `DirectoryBlobStore.get`": lambda: store.get(key),
             "check: `format.decode_blob` (header, tokens, payload digest)": lambda: decode_blob(
                 blob, FINGERPRINT
@@ -84,7 +90,7 @@ def section(settings: Settings, cache_dir: Path, rounds: int) -> str:
             "**whole restore**: `PrefixCache.lookup` + `kv_state.restore`": whole,
             f"**whole restore of a delta** on a {BASE_TOKENS}-token base (two blobs read, "
             "composed into one state)": composed,
-            **_copies(state, cache_dir / f"{FINGERPRINT}/blobs" / key.rsplit("/", 1)[1]),
+            **_copies(bytes(state), cache_dir / f"{FINGERPRINT}/blobs" / key.rsplit("/", 1)[1]),
         }
         lines = [_row(label, _ms(step, rounds)) for label, step in rows.items()]
     finally:
@@ -121,7 +127,8 @@ machine's disk, then restored as a worker does (file in the page cache), each st
 own, {rounds} times; "whole restore" is the lookup and load that a job's `timings.restore_ms`
 includes on a hit; "of a delta", the same state stored as its last cells on a base holding the
 first ones (shared/prefix_cache/deltas.py). The two floors copy the same bytes into a buffer that already exists: no
-restore can beat them.
+restore can beat them. The two "snapshot" rows are the copy a worker makes on its model thread
+when it saves a state (worker/prefix_saver.py), into a fresh buffer and into a kept one.
 
 | step | median ms | fastest ms |
 |---|---|---|

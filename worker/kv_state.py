@@ -23,7 +23,8 @@ def capture(
     """Sequence `seq`'s state, copied once, into `buffer` when it is large enough (else a new
     one); returns the state and the buffer holding it. It runs on the model thread between a
     prompt's chunks, so no byte is copied twice: a ctypes array or a bytearray is zeroed first,
-    and `bytes()` would copy again (43 ms for a 37 MB Qwen state; this, 4.5 to 9 ms)."""
+    and `bytes()` would copy again. docs/BENCHMARKS.md ("where a restore's time goes") times
+    this for a 37 MB Qwen state into a new buffer and into a kept one."""
     ctx = llama.ctx
     size = llama_cpp.llama_state_seq_get_size(ctx, seq)
     if buffer is None or len(buffer) < size:

@@ -29,9 +29,10 @@ _STOP = None
 Buffer = npt.NDArray[np.uint8]
 _Snapshot = tuple[PrefixCache, list[int], memoryview, tuple[int, ...], Buffer]
 # Buffers kept for the next captures: a fresh one of tens of MB costs its page faults on the
-# model thread (9 ms for a 37 MB Qwen state on a quiet host, up to 97 ms seen under load);
-# a reused one is a plain copy (4.5 ms). One: snapshots are mostly written one at a time, and a
-# kept buffer is as large as the largest state yet (hundreds of MB for a large model's context).
+# model thread, a kept one only the copy (for a 37 MB Qwen state 9.9 ms against 4.5 ms:
+# docs/BENCHMARKS.md, "where a restore's time goes"). One: snapshots are mostly written one at
+# a time, and a kept buffer is as large as the largest state yet (hundreds of MB for a large
+# model's context).
 KEPT_BUFFERS = 1
 
 
