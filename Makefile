@@ -86,7 +86,7 @@ ROW_INVARIANT_DIR := $(WHEEL_DIR)/row-invariant
 ROW_INVARIANT_SITE := $(ROW_INVARIANT_DIR)/site
 ROW_INVARIANT_SRC := $(ROW_INVARIANT_DIR)/src/llama_cpp_python-$(LLAMA_VERSION)
 CPU_SRC := $(ROW_INVARIANT_SRC)/vendor/llama.cpp/ggml/src/ggml-cpu
-N := $(ROW_INVARIANT_BELOW)
+ROWS := $(ROW_INVARIANT_BELOW)
 wheel-row-invariant: $(STAMP)
 	@test -d $(ROW_INVARIANT_SITE)/llama_cpp || { \
 	  echo "building row-invariant llama-cpp-python $(LLAMA_VERSION) (4-5 minutes)..." && \
@@ -96,21 +96,21 @@ wheel-row-invariant: $(STAMP)
 	  tar xzf $(ROW_INVARIANT_DIR)/src/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(ROW_INVARIANT_DIR)/src && \
 	  edit() { grep -qF "$$2" "$$1" && sed -i "s/$$3/$$4/" "$$1" && grep -qF "$$5" "$$1" || \
 	    { echo "$$1: no '$$2' to patch"; exit 1; }; } && \
-	  edit $(CPU_SRC)/llamafile/sgemm.cpp '    if (n < 2)' '^    if (n < 2)$$' '    if (n < $(N))' \
-	    '    if (n < $(N))' && \
+	  edit $(CPU_SRC)/llamafile/sgemm.cpp '    if (n < 2)' '^    if (n < 2)$$' '    if (n < $(ROWS))' \
+	    '    if (n < $(ROWS))' && \
 	  edit $(CPU_SRC)/repack.cpp '        if (nrows > 3) {' '^        if (nrows > 3) {$$' \
-	    '        if (nrows >= $(N)) {' '        if (nrows >= $(N)) {' && \
+	    '        if (nrows >= $(ROWS)) {' '        if (nrows >= $(ROWS)) {' && \
 	  edit $(CPU_SRC)/repack.cpp 'for (int iter = nrows - (nrows % 4); iter < nrows' \
 	    'for (int iter = nrows - (nrows % 4); iter < nrows' \
-	    'for (int iter = nrows >= $(N) ? nrows - (nrows % 4) : 0; iter < nrows' \
-	    'nrows >= $(N) ? nrows - (nrows % 4) : 0' && \
+	    'for (int iter = nrows >= $(ROWS) ? nrows - (nrows % 4) : 0; iter < nrows' \
+	    'nrows >= $(ROWS) ? nrows - (nrows % 4) : 0' && \
 	  edit $(CPU_SRC)/repack.cpp 'i11 < ne11 - ne11 % 4;' 'ne11 - ne11 % 4' \
-	    '(ne11 >= $(N) ? ne11 - ne11 % 4 : 0)' 'i11 < (ne11 >= $(N) ? ne11 - ne11 % 4 : 0);' && \
+	    '(ne11 >= $(ROWS) ? ne11 - ne11 % 4 : 0)' 'i11 < (ne11 >= $(ROWS) ? ne11 - ne11 % 4 : 0);' && \
 	  edit $(CPU_SRC)/tiled/tiled.cpp 'return rows >= 8 ||' 'return rows >= 8 ||' \
-	    'return rows >= $(N) ||' 'return rows >= $(N) ||' && \
+	    'return rows >= $(ROWS) ||' 'return rows >= $(ROWS) ||' && \
 	  edit $(CPU_SRC)/ggml-cpu.c 'if ((nr0 % 2 != 0) || (ne11 % 2 != 0)' \
-	    'if ((nr0 % 2 != 0) || (ne11 % 2 != 0)' 'if ((ne11 < $(N)) || (nr0 % 2 != 0) || (ne11 % 2 != 0)' \
-	    '(ne11 < $(N)) ||' && \
+	    'if ((nr0 % 2 != 0) || (ne11 % 2 != 0)' 'if ((ne11 < $(ROWS)) || (nr0 % 2 != 0) || (ne11 % 2 != 0)' \
+	    '(ne11 < $(ROWS)) ||' && \
 	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip wheel --no-deps --no-cache-dir \
 	    -w $(ROW_INVARIANT_DIR) $(ROW_INVARIANT_SRC) && \
 	  $(BIN)/pip install -q --no-deps --target $(ROW_INVARIANT_SITE) \
