@@ -197,8 +197,10 @@ def test_killed_worker_job_completes_on_another(
     stack = stack_factory(**overrides)
     job = submit(stack, {**COUNTING, "max_tokens": 150})
     first_tokens(stack, job["id"], 5)
-    stack.start_worker("worker-2")
+    # Killed before the second worker starts: loading a model can take longer than the first
+    # worker needs to finish the job.
     stack.kill("worker-1")
+    stack.start_worker("worker-2")
     final = wait_status(stack, job["id"], {"finished", "failed"}, timeout_s=90)
     assert final["status"] == "finished", final
     assert final["attempts"] == 2
