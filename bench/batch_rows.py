@@ -5,12 +5,12 @@ again as one batch of n rows (speculative verification's shape). For each n: the
 difference between a row's logits in the batch and the same token's logits decoded alone, and
 the time of one pass of n rows against one of a single row (median of 5). Also prefill speed.
 
-Kernel setups, each in its own process: the wheel `make install` builds; a batch-invariant one
+Kernel setups, each in its own process: the wheel `make install` builds (row-invariant: the
+three kernels that pick their code path by the number of rows are taken only from 32 rows up,
+deploy/build-llama-wheel.sh); the stock sdist (`make wheel-stock`); a batch-invariant one
 (`make wheel-invariant`): llama.cpp built without llamafile's sgemm, and run without weight
-repacking (`use_extra_bufts`) or the tiled K-quant path (`GGML_CPU_TILED_MM=0`). Those three
-pick their code path by the number of rows; without them every output element is one dot
-product whatever the batch. And a row-invariant one (`make wheel-row-invariant`): the same
-three kernels, taken only from 32 rows up.
+repacking (`use_extra_bufts`) or the tiled K-quant path (`GGML_CPU_TILED_MM=0`), so every
+output element is one dot product whatever the batch.
 
 `python -m bench.batch_rows MODEL DATA_DIR [--threads N] [--no-repack]` measures one model and prints JSON.
 """
@@ -152,21 +152,21 @@ def _run(settings: Settings, setup: Setup) -> Measured:
 
 
 def section(
-    models: list[Settings], invariant_site: Path | None, row_invariant_site: Path | None = None
+    models: list[Settings], stock_site: Path | None, invariant_site: Path | None = None
 ) -> str:
-    setups: dict[str, Setup] = {"stock": Setup(None)}
+    setups: dict[str, Setup] = {"row-invariant below 32 (make install)": Setup(None)}
+    if stock_site is not None:
+        setups["stock"] = Setup(stock_site)
     if invariant_site is not None:
         setups["batch-invariant"] = Setup(invariant_site, no_repack=True, no_tiled=True)
-    if row_invariant_site is not None:
-        setups["row-invariant below 32"] = Setup(row_invariant_site)
     rows, prefill = [], []
     for settings in models:
         measured = {name: _run(settings, setup) for name, setup in setups.items()}
-        stock_prefill = measured["stock"].prefill_tok_s
+        base = measured.get("stock") or next(iter(measured.values()))
         for name, result in measured.items():
             prefill.append(
                 f"| {settings.model} | {name} | {result.prefill_tok_s:.0f} | "
-                f"{result.prefill_tok_s / stock_prefill:.2f} |"
+                f"{result.prefill_tok_s / base.prefill_tok_s:.2f} |"
             )
             single = result.costs[0].pass_ms
             rows += [
@@ -177,8 +177,8 @@ def section(
     missing = "".join(
         f"\nThe {name} wheel was not given (`make {target}`): no rows for it.\n"
         for name, target, site in (
+            ("stock", "wheel-stock", stock_site),
             ("batch-invariant", "wheel-invariant", invariant_site),
-            ("row-invariant", "wheel-row-invariant", row_invariant_site),
         )
         if site is None
     )
@@ -196,13 +196,13 @@ greedy verification decides a row again alone when its top two logits are closer
 logits for all of them. "Bound" is rows / (pass / one row): the speed-up of a draft of n - 1
 tokens that is accepted whole, the most speculation can give at that length.
 
-Three kernel setups (`bench/batch_rows.py`): **stock** is the wheel `make install` builds;
+Three kernel setups (`bench/batch_rows.py`): **row-invariant below 32** is the wheel
+`make install` builds: llama.cpp's three kernels that change code path with the number of rows
+start at 32 rows instead of 2, 4 and 8 (deploy/build-llama-wheel.sh patches the thresholds),
+so a decode step of fewer rows computes each row as a lone decode does while a 256-token
+prefill chunk keeps the fast kernels; **stock** is the sdist unchanged (`make wheel-stock`);
 **batch-invariant** is llama.cpp built without llamafile's sgemm and run without weight
-repacking and without the tiled K-quant path, the three kernels that change code path with
-the number of rows (`make wheel-invariant`); **row-invariant below 32** keeps all three but
-lets them start at 32 rows instead of 2, 4 and 8 (`make wheel-row-invariant` patches the
-thresholds in llama.cpp's source), so a decode step of fewer rows computes each row as a lone
-decode does while a 256-token prefill chunk keeps the fast kernels.
+repacking and without the tiled K-quant path (`make wheel-invariant`).
 
 | model | kernels | rows | drift (max abs logit) | pass ms | pass / one row | bound |
 |---|---|---|---|---|---|---|

@@ -8,8 +8,10 @@ TTFT alone (another document of the same length, so no cache helps either), meas
 on a worker that has served only a warm-up request.
 
 Every system runs alone on the machine, with the same model file and 2 threads: granary
-(API + one worker: one job at a time as before the Conclave, then 8 at once with
-`worker.exact_batching` on, the default, and off) and `llama-server -np 8 -kvu` built from the
+(API + one worker: one job at a time as before the Conclave, then 8 at once: with the kernels
+`make install` builds, whose batched rows equal lone ones, so exact batching replays nothing;
+then with the stock kernels (`make wheel-stock`), where exact batching replays near ties, and
+with `worker.exact_batching` off, which does not) and `llama-server -np 8 -kvu` built from the
 llama.cpp llama-cpp-python vendors (`make peer-server`).
 """
 
@@ -193,22 +195,26 @@ def measure(url: str, system: str, offset: int, pid: int) -> tuple[list[LoadRow]
 
 @contextmanager
 def granary(
-    settings: Settings, log_dir: Path, exact: bool, active: int
+    settings: Settings, log_dir: Path, run: Run, stock_site: Path | None
 ) -> Iterator[tuple[str, int]]:
-    knobs = {"exact_batching": exact, "max_active_jobs": active}
+    knobs = {"exact_batching": run.exact, "max_active_jobs": run.active}
     # A cache of its own: a state another run (or bench) saved would answer a prompt at once.
     cache = {"dir": Path(tempfile.mkdtemp(dir=log_dir, prefix="kv-"))}
-    run = settings.model_copy(
+    chosen = settings.model_copy(
         update={
             "worker": settings.worker.model_copy(update=knobs),
             "cache": settings.cache.model_copy(update=cache),
         }
     )
-    stack = Stack(run, log_dir)
+    env = {"PYTHONPATH": str(stock_site)} if run.stock and stock_site is not None else {}
+    stack = Stack(chosen, log_dir, env=env)
     try:
         stack.start_api()
         worker = stack.start_worker()
         yield stack.url, worker.pid
+        # Which way the worker's batched rows were found (worker/conclave/row_check.py).
+        if run.active > 1 and f"batched rows {run.rows}" not in stack.log("worker"):
+            raise RuntimeError(f"{run.name}: the worker's rows were not found to {run.rows}")
     finally:
         stack.stop()
 
@@ -234,17 +240,34 @@ def llama_server(server: Path, settings: Settings, log_dir: Path) -> Iterator[tu
         log.close()
 
 
-def section(settings: Settings, log_dir: Path, server: Path | None) -> str:
+@dataclass(frozen=True, slots=True)
+class Run:
+    name: str
+    exact: bool
+    active: int
+    stock: bool = False  # the stock kernels (make wheel-stock) instead of the installed ones
+
+    @property
+    def rows(self) -> str:
+        """What the worker's row check must have logged."""
+        return "differ from" if self.stock else "equal"
+
+
+RUNS = (
+    Run("granary, one job at a time (max_active_jobs 1)", True, 1),
+    Run("granary, exact (default)", True, 8),
+    Run("granary, exact, stock kernels (near-tie replays)", True, 8, stock=True),
+    Run("granary, exact_batching off, stock kernels", False, 8, stock=True),
+)
+
+
+def section(settings: Settings, log_dir: Path, server: Path | None, stock_site: Path | None) -> str:
     loads: list[LoadRow] = []
     mixes: list[MixRow] = []
-    runs = [
-        ("granary, one job at a time (max_active_jobs 1)", True, 1),
-        ("granary, exact (default)", True, 8),
-        ("granary, exact_batching off", False, 8),
-    ]
-    for offset, (name, exact, active) in enumerate(runs):
-        with granary(settings, log_dir, exact, active) as (url, pid):
-            rows, mix = measure(url, name, offset * 10_000, pid)
+    runs = [r for r in RUNS if stock_site is not None or not r.stock]
+    for offset, run in enumerate(runs):
+        with granary(settings, log_dir, run, stock_site) as (url, pid):
+            rows, mix = measure(url, run.name, offset * 10_000, pid)
         loads += rows
         mixes.append(mix)
     peer = server is not None and server.exists()
@@ -257,7 +280,10 @@ def section(settings: Settings, log_dir: Path, server: Path | None) -> str:
             mixes.append(mix)
         except httpx.HTTPError as exc:  # the peer failing must not cost granary's rows
             peer_failure = f"{type(exc).__name__}: {exc}; its log ends:\n" + _log_tail(log_dir)
-    return _render(loads, mixes, peer=peer, peer_failure=peer_failure)
+    text = _render(loads, mixes, peer=peer, peer_failure=peer_failure)
+    if stock_site is None:
+        text += "\nThe stock kernels were not given (`make wheel-stock`): no rows for them.\n"
+    return text
 
 
 def _log_tail(log_dir: Path, lines: int = 12) -> str:

@@ -1,7 +1,7 @@
 """`make bench`: run every benchmark and write docs/BENCHMARKS.md.
 
-Usage: python -m bench.run [--quick] [--only SUITE [--write]] [--redis URL] [--invariant-site DIR]
-                            [--row-invariant-site DIR]
+Usage: python -m bench.run [--quick] [--only SUITE [--write]] [--redis URL] [--stock-site DIR]
+                            [--invariant-site DIR] [--peer-server PATH]
 """
 
 from __future__ import annotations
@@ -154,11 +154,11 @@ def _speculation_section(redis_url: str, log_dir: Path, quick: bool) -> str:
 
 
 def _batch_rows_section(
-    redis_url: str, invariant_site: Path | None, row_invariant_site: Path | None
+    redis_url: str, stock_site: Path | None, invariant_site: Path | None
 ) -> str:
     models = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
     settings = [_settings(redis_url, m) for m in models]
-    return batch_rows.section(settings, invariant_site, row_invariant_site)
+    return batch_rows.section(settings, stock_site, invariant_site)
 
 
 def _chunk_shape_section(redis_url: str) -> str:
@@ -166,9 +166,11 @@ def _chunk_shape_section(redis_url: str) -> str:
     return chunk_shape.section([_settings(redis_url, m) for m in models])
 
 
-def _conclave_section(redis_url: str, log_dir: Path, server: Path | None) -> str:
+def _conclave_section(
+    redis_url: str, log_dir: Path, server: Path | None, stock_site: Path | None
+) -> str:
     settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
-    return conclave.section(settings, log_dir, server)
+    return conclave.section(settings, log_dir, server, stock_site)
 
 
 def _cold_prefill_section(redis_url: str, log_dir: Path, server: Path | None, quick: bool) -> str:
@@ -236,10 +238,10 @@ def main() -> None:
         help="with --only exam: grade the answers saved in this exam-runs.json again, run no model",
     )
     parser.add_argument(
-        "--row-invariant-site",
+        "--stock-site",
         type=Path,
-        help="llama-cpp-python whose row-count kernels start at 32 rows (make "
-        "wheel-row-invariant), for batch_rows",
+        help="llama-cpp-python built from the sdist unchanged (make wheel-stock), for batch_rows "
+        "and conclave",
     )
     parser.add_argument("--redis", help="a Redis URL to use instead of a private redis-server")
     args = parser.parse_args()
@@ -260,10 +262,12 @@ def main() -> None:
             "extraction": lambda: [_extraction_section(redis_url, log_dir)],
             "speculation": lambda: [_speculation_section(redis_url, log_dir, args.quick)],
             "batch_rows": lambda: [
-                _batch_rows_section(redis_url, args.invariant_site, args.row_invariant_site)
+                _batch_rows_section(redis_url, args.stock_site, args.invariant_site)
             ],
             "chunk_shape": lambda: [_chunk_shape_section(redis_url)],
-            "conclave": lambda: [_conclave_section(redis_url, log_dir, args.peer_server)],
+            "conclave": lambda: [
+                _conclave_section(redis_url, log_dir, args.peer_server, args.stock_site)
+            ],
             "cold_prefill": lambda: [
                 _cold_prefill_section(redis_url, log_dir, args.peer_server, args.quick)
             ],

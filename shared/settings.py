@@ -76,9 +76,11 @@ class WorkerSettings(BaseModel):
     # n_ctx cells of its own: memory is sequences x n_ctx x the model's KV bytes per token.
     # Beyond one per job they hold extraction questions and prefixes kept for reuse.
     sequences: int | None = Field(None, ge=2, le=256)
-    # True: a job's greedy output does not depend on what is decoded beside it; a greedy row
-    # whose top two logits nearly tie is decided again alone (worker/speculation/near_tie.py).
-    # False skips those replays: faster, but such rows can differ from a lone run's.
+    # True: a job's greedy output does not depend on what is decoded beside it. With kernels
+    # whose batched rows equal lone ones (the wheel `make install` builds; checked at start,
+    # worker/conclave/row_check.py) that holds as it is. Otherwise a greedy row whose top two
+    # logits nearly tie is decided again alone (worker/speculation/near_tie.py); False skips
+    # those replays: faster, but such rows can differ from a lone run's.
     exact_batching: bool = True
 
 

@@ -48,6 +48,7 @@ class Stack:
     settings: Settings
     log_dir: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # on top of the settings' variables
 
     @property
     def url(self) -> str:
@@ -57,7 +58,7 @@ class Stack:
         log = (self.log_dir / f"{name}.log").open("wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "cli.main", *command],
-            env=settings_env(self.settings),
+            env=settings_env(self.settings) | self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=REPO,

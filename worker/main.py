@@ -19,6 +19,7 @@ from shared.warm_runs import WarmRuns
 from worker import tasks
 from worker.conclave.engine import ConclaveEngine
 from worker.conclave.loop import Conclave
+from worker.conclave.row_check import batched_rows_equal_lone
 from worker.decode_batch import fill_batch, llama_batch
 from worker.engine import Engine, memory_is_truncatable
 from worker.multi_sequence import load_multi_sequence_llama
@@ -65,7 +66,8 @@ def build_one_job_engine(settings: Settings) -> Engine:
     return Engine(llama, block_tokens, cache, PrefixSaver(), settings.cache.min_tokens, speculator)
 
 
-def build_conclave(settings: Settings) -> ConclaveEngine:
+def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> ConclaveEngine:
+    """`rows_invariant`: whether batched rows equal lone ones; None checks it on the model."""
     worker = settings.worker
     n_seq = min(
         worker.sequences or worker.max_active_jobs + 4,
@@ -73,6 +75,8 @@ def build_conclave(settings: Settings) -> ConclaveEngine:
     )
     llama = load_multi_sequence_llama(settings, n_seq, n_ctx=n_seq * settings.n_ctx, unified=False)
     warm_up(llama)  # before the model thread starts
+    if rows_invariant is None:
+        rows_invariant = batched_rows_equal_lone(llama, n_seq)
     truncatable = memory_is_truncatable(llama)
     cache = open_cache(settings, truncatable=truncatable) if settings.cache.enabled else None
     saver = PrefixSaver() if cache is not None else None
@@ -92,6 +96,7 @@ def build_conclave(settings: Settings) -> ConclaveEngine:
         n_seq=n_seq,
         truncatable=truncatable,
         exact=worker.exact_batching,
+        rows_invariant=rows_invariant,
     )
     return ConclaveEngine(
         llama, conclave, settings.n_ctx, settings.cache.block_tokens, cache_for, cache, saver

@@ -25,18 +25,37 @@ CHATS = [
 ]
 
 
+SETTINGS = Settings(
+    model="smollm2-135m",
+    data_dir=DATA_DIR,
+    n_ctx=512,
+    cache={"enabled": False},
+    worker={"max_active_jobs": len(CHATS)},
+)
+
+
 @pytest.fixture(scope="module")
 def engine() -> Iterator[ConclaveEngine]:
-    settings = Settings(
-        model="smollm2-135m",
-        data_dir=DATA_DIR,
-        n_ctx=512,
-        cache={"enabled": False},
-        worker={"max_active_jobs": len(CHATS)},
-    )
-    built = build_conclave(settings)
+    """As a worker builds it: the row check decides whether near ties are replayed."""
+    built = build_conclave(SETTINGS)
     yield built
     built.close()
+
+
+@pytest.fixture(scope="module")
+def replaying_engine() -> Iterator[ConclaveEngine]:
+    """As a worker on stock kernels runs: batched rows are taken as differing from lone ones."""
+    built = build_conclave(SETTINGS, rows_invariant=False)
+    yield built
+    built.close()
+
+
+def chat_prompts(engine: ConclaveEngine) -> list[list[int]]:
+    llama = engine.llama
+    return [
+        tokenize(llama, render_prompt(llama, JobRequest(messages=[{"role": "user", "content": c}])))
+        for c in CHATS
+    ]
 
 
 def run(engine: ConclaveEngine, prompts: list[list[int]]) -> list[tuple[list[int], Ended]]:
@@ -59,16 +78,23 @@ def run(engine: ConclaveEngine, prompts: list[list[int]]) -> list[tuple[list[int
     return results
 
 
-def test_rows_decoded_together_equal_lone_runs_and_replay_at_most_once(
+def test_the_wheel_make_install_builds_decodes_rows_together_as_alone_without_replays(
     engine: ConclaveEngine,
 ) -> None:
-    llama = engine.llama
-    prompts = [
-        tokenize(llama, render_prompt(llama, JobRequest(messages=[{"role": "user", "content": c}])))
-        for c in CHATS
-    ]
+    assert engine.conclave.rows_invariant, "the row check found batched rows differing"
+    prompts = chat_prompts(engine)
     together = run(engine, prompts)
     lone = [run(engine, [p])[0] for p in prompts]
+    assert [out for out, _ in together] == [out for out, _ in lone]
+    assert all(ended.replays == 0 and not ended.drifted for _, ended in together)
+
+
+def test_near_ties_replay_at_most_once_where_rows_differ(
+    replaying_engine: ConclaveEngine,
+) -> None:
+    prompts = chat_prompts(replaying_engine)
+    together = run(replaying_engine, prompts)
+    lone = [run(replaying_engine, [p])[0] for p in prompts]
     assert [out for out, _ in together] == [out for out, _ in lone]
     replays = [ended.replays for _, ended in together]
     # A stream that met a near tie is decoded alone from then on: it never replays again.

@@ -7,14 +7,16 @@ llama_decode. So a long document is read one chunk at a time while the others ke
 and a short prompt's prefill goes before a long one's (shortest remaining first, within the
 priority class; a stream passed over STARVE_AFTER times goes next).
 
-Exactness: a prefill chunk is always decoded alone, in the shape a lone run uses. A decode row
-computed beside others gets slightly different logits (docs/BENCHMARKS.md); with `exact`, a
-greedy row whose top two logits nearly tie is decided again after recomputing that stream's
-batched cells one token at a time (worker/speculation/near_tie.py), so greedy output does not
-depend on what else runs. Such a replay costs a lone decode for every cell since the stream's
-last exact one, so a stream that met a near tie is decoded alone from then on: on free text
-ties come every few tokens, and batching it would cost more than the lone decodes it saves; a
-confident stream (an extraction's short answers) stays in the batch.
+Exactness: a prefill chunk is always decoded alone, in the shape a lone run uses. With the
+kernels `make install` builds, a decode row computed beside others gets the logits it gets
+alone, bit for bit (`rows_invariant`, checked at start-up by row_check.py), so a batched step
+is exact as it is. With stock kernels it gets slightly different logits (docs/BENCHMARKS.md);
+then, with `exact`, a greedy row whose top two logits nearly tie is decided again after
+recomputing that stream's batched cells one token at a time (worker/speculation/near_tie.py),
+so greedy output does not depend on what else runs. Such a replay costs a lone decode for
+every cell since the stream's last exact one, so a stream that met a near tie is decoded alone
+from then on: on free text ties come every few tokens, and batching it would cost more than the
+lone decodes it saves; a confident stream (an extraction's short answers) stays in the batch.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class Conclave:
         n_seq: int,
         truncatable: bool,
         exact: bool = True,
+        rows_invariant: bool = False,
     ) -> None:
         self.llama = llama
         self._cache_for = cache_for
@@ -120,6 +123,7 @@ class Conclave:
         self._min_snapshot_tokens = min_snapshot_tokens
         self._truncatable = truncatable
         self._exact = exact
+        self.rows_invariant = rows_invariant
         mem = llama_cpp.llama_get_memory(llama.ctx)
         self._mem = mem
         llama_cpp.llama_memory_clear(mem, True)
@@ -389,11 +393,14 @@ class Conclave:
         ties = []
         for row, stream in enumerate(batch):
             logits = self._logits(row)
-            greedy = stream.request.sampling.greedy
-            if self._exact and greedy and is_near_tie(logits, TIE_MARGIN):
+            exact_greedy = self._exact and stream.request.sampling.greedy
+            if self.rows_invariant:
+                if stream.exact_until == stream.pos:
+                    stream.exact_until += 1
+            elif exact_greedy and is_near_tie(logits, TIE_MARGIN):
                 ties.append(stream)
                 continue
-            if not (self._exact and greedy):
+            elif not exact_greedy:
                 stream.drifted = True
             self._take(stream, logits)
         for stream in ties:  # after the others: a replay overwrites the batch's logits

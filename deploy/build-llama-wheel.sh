@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Builds the llama-cpp-python wheel granary runs, into OUT_DIR. Used by the Makefile and the
+# Dockerfile, so a machine and an image run the same kernels.
+#
+#   deploy/build-llama-wheel.sh OUT_DIR [row-invariant|stock|batch-invariant]
+#
+# llama-cpp-python ships as an sdist only. Its vendored llama.cpp is built with a few one-line
+# edits (each fails the build if its text is not found): the CPU kernels whose code path
+# depends on the number of rows in a batch (llamafile's sgemm from 2 rows, repacked weights'
+# gemm and its 4-row interleaved quantisation of the activations from 4, the tiled K-quant
+# path from 8, ARM's two-row mmla dot from 2) start at ROWS rows instead. A decode step of
+# fewer rows then computes each row as a lone decode does, bit for bit, so the Conclave batches
+# jobs without near-tie replays (worker/conclave/row_check.py checks it at start-up); prefill
+# chunks, hundreds of rows, keep the fast kernels. For bench/batch_rows.py only: `stock` builds
+# the sdist unchanged, `batch-invariant` without llamafile's sgemm.
+#
+# On x86_64 the CPUs here advertise AMX the sandbox cannot run (SIGSEGV in
+# ggml_backend_amx_mul_mat); gcc rejects those flags on ARM, where the plain native build is right.
+set -euo pipefail
+
+VERSION=0.3.36
+ROWS=32
+OUT_DIR=$1
+VARIANT=${2:-row-invariant}
+PIP=${PIP:-pip}
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$PIP" download -q --no-deps --no-binary :all: -d "$work" "llama-cpp-python==$VERSION"
+tar xzf "$work/llama_cpp_python-$VERSION.tar.gz" -C "$work"
+src=$work/llama_cpp_python-$VERSION
+cpu=$src/vendor/llama.cpp/ggml/src/ggml-cpu
+
+# edit FILE OLD NEW: replace the one line holding OLD (fixed text) by the same line with NEW.
+edit() {
+  local file=$1 old=$2 new=$3
+  if [ "$(grep -cF -- "$old" "$file")" != 1 ]; then
+    echo "$file: not exactly one '$old' to patch" >&2
+    exit 1
+  fi
+  OLD=$old NEW=$new perl -pi -e 's/\Q$ENV{OLD}\E/$ENV{NEW}/' "$file"
+}
+
+if [ "$VARIANT" = row-invariant ]; then
+  edit "$cpu/llamafile/sgemm.cpp" '    if (n < 2)' "    if (n < $ROWS)"
+  edit "$cpu/repack.cpp" '        if (nrows > 3) {' "        if (nrows >= $ROWS) {"
+  edit "$cpu/repack.cpp" 'for (int iter = nrows - (nrows % 4); iter < nrows' \
+    "for (int iter = nrows >= $ROWS ? nrows - (nrows % 4) : 0; iter < nrows"
+  edit "$cpu/repack.cpp" 'i11 < ne11 - ne11 % 4;' "i11 < (ne11 >= $ROWS ? ne11 - ne11 % 4 : 0);"
+  edit "$cpu/repack.cpp" 'i11_processed = ne11 - ne11 % 4;' \
+    "i11_processed = ne11 >= $ROWS ? ne11 - ne11 % 4 : 0;"
+  edit "$cpu/tiled/tiled.cpp" 'return rows >= 8 ||' "return rows >= $ROWS ||"
+  edit "$cpu/ggml-cpu.c" 'if ((nr0 % 2 != 0) || (ne11 % 2 != 0)' \
+    "if ((ne11 < $ROWS) || (nr0 % 2 != 0) || (ne11 % 2 != 0)"
+elif [ "$VARIANT" = batch-invariant ]; then
+  extra=-DGGML_LLAMAFILE=OFF
+elif [ "$VARIANT" != stock ]; then
+  echo "unknown variant '$VARIANT'" >&2
+  exit 2
+fi
+
+if [ "$(uname -m)" = x86_64 ]; then
+  no_amx='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
+  export CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx' ${extra:-}"
+else
+  export CMAKE_ARGS="-DGGML_NATIVE=ON ${extra:-}"
+fi
+echo "building llama-cpp-python $VERSION ($VARIANT; 4-5 minutes on 2 cores)..."
+"$PIP" wheel -q --no-deps --no-cache-dir -w "$OUT_DIR" "$src"

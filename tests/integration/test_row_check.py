@@ -1,0 +1,40 @@
+"""The worker's start-up check that a decode step's rows equal the same rows decoded alone, on
+the wheel `make install` builds (deploy/build-llama-wheel.sh)."""
+
+from __future__ import annotations
+
+from shared.settings import Settings
+from tests.conftest import DATA_DIR
+from worker.conclave.row_check import batched_rows_equal_lone, row_counts
+from worker.multi_sequence import load_multi_sequence_llama
+
+
+def check(model: str, n_seq: int, long_cells: int = 0) -> bool:
+    settings = Settings(model=model, data_dir=DATA_DIR, n_ctx=512)
+    llama = load_multi_sequence_llama(settings, n_seq, n_ctx=n_seq * settings.n_ctx, unified=False)
+    try:
+        return batched_rows_equal_lone(llama, n_seq, long_cells)
+    finally:
+        llama.close()
+
+
+def test_steps_of_up_to_31_rows_equal_their_rows_decoded_alone() -> None:
+    assert check("smollm2-135m", 31)
+
+
+def test_a_short_row_beside_a_sequence_past_the_padded_window_equals_it_alone() -> None:
+    # Beside a sequence of 260 cells a step's attention window is 512 cells, not 256.
+    assert check("smollm2-135m", 8, long_cells=260)
+
+
+def test_a_step_of_32_rows_or_more_takes_the_batch_kernels_and_the_check_sees_it() -> None:
+    # The patched thresholds are 32 rows: from there Qwen's weights take llama.cpp's batch
+    # kernels, whose rows differ from lone ones. The check must say so, or it could not catch
+    # a stock wheel.
+    assert not check("qwen2.5-0.5b", 40)
+
+
+def test_the_check_covers_where_stock_kernels_switch_and_the_widest_step() -> None:
+    assert row_counts(12) == [2, 3, 4, 8, 12]
+    assert row_counts(3) == [2, 3]
+    assert row_counts(1) == []
