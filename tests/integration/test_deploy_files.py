@@ -179,3 +179,13 @@ def test_the_distribution_is_not_named_like_pypis_granary() -> None:
     assert "granary" in project["scripts"]
     dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
     assert "--no-index --find-links /wheels /wheels/granary_llm-*.whl" in dockerfile
+
+
+def test_the_image_and_make_build_llama_cpp_python_one_way() -> None:
+    """Both run deploy/build-llama-wheel.sh, so an image's kernels are the ones tested here."""
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    assert "RUN deploy/build-llama-wheel.sh /wheels" in dockerfile
+    assert "llama-cpp-python==" not in dockerfile  # no second build rule
+    makefile = (REPO / "Makefile").read_text()
+    assert "LLAMA_BUILD := deploy/build-llama-wheel.sh" in makefile
+    assert "$(LLAMA_BUILD) $(LLAMA_WHEELS)" in makefile
