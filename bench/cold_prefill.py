@@ -5,9 +5,11 @@ first tokens, on any system) and whose user message is a ~1,200- or ~3,600-token
 (Qwen2.5-0.5B, 2 threads, greedy, 1 token, streaming `/v1/chat/completions`, timed at the
 client: granary's time includes its whole job path). Systems run side by side, one request at a
 time, round-robin: granary as configured by default (the Conclave, `flash_attn` off), granary
-with `flash_attn = true`, and `llama-server -np 8 -kvu`
-(`-fa auto`, its default, picks flash attention on a CPU). Target (issue 17): granary's cold
-TTFT at most 1.03 times llama-server's.
+with `flash_attn = true`, granary with its prefix cache off (no snapshot is captured or
+written while the prompt is read), the same prompt prefilled in this process on a context laid
+out as the Conclave's (256-token chunks, no prompt breaks, no job path, no cache: what the model
+work alone costs), and `llama-server -np 8 -kvu` (`-fa auto`, its default, picks flash attention on a
+CPU). Target (issue 17): granary's cold TTFT at most 1.03 times llama-server's.
 """
 
 from __future__ import annotations
@@ -15,23 +17,37 @@ from __future__ import annotations
 import asyncio
 import statistics
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
+import llama_cpp
 
 from bench.conclave import Reply, document, llama_server, stream_chat
+from shared.llm import render_prompt, tokenize
+from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.harness import Stack, free_port
+from worker.decode_batch import fill_batch, llama_batch
+from worker.multi_sequence import load_multi_sequence_llama
 
 SIZES = {"~1,200 tokens": 36, "~3,600 tokens": 108}
 TARGET = 1.03
 PEER = "llama-server -np 8 -kvu"
+DEFAULT = "granary (default, flash_attn off)"
+NO_CACHE = "granary, prefix cache off"
+IN_PROCESS = "model work alone (in process, granary's context and chunks)"
+
+
+Ask = Callable[[int, int], tuple[float, int]]  # (nonce, lines) -> TTFT s, prompt tokens
 
 
 @contextmanager
-def _granary(settings: Settings, log_dir: Path, flash_attn: bool, db: int) -> Iterator[str]:
+def _granary(
+    settings: Settings, log_dir: Path, db: int, flash_attn: bool = False, cache: bool = True
+) -> Iterator[str]:
     run_dir = Path(tempfile.mkdtemp(dir=log_dir, prefix="cold-"))
     run = settings.model_copy(
         update={
@@ -39,7 +55,7 @@ def _granary(settings: Settings, log_dir: Path, flash_attn: bool, db: int) -> It
             # Each stack its own queues: a worker takes only its own system's jobs.
             "redis_url": f"{settings.redis_url}?db={db}",
             "api": settings.api.model_copy(update={"port": free_port()}),
-            "cache": settings.cache.model_copy(update={"dir": run_dir / "kv"}),
+            "cache": settings.cache.model_copy(update={"dir": run_dir / "kv", "enabled": cache}),
         }
     )
     stack = Stack(run, run_dir)
@@ -51,40 +67,89 @@ def _granary(settings: Settings, log_dir: Path, flash_attn: bool, db: int) -> It
         stack.stop()
 
 
+def _messages(nonce: int, lines: int) -> tuple[str, str]:
+    """The system message and the user message of one request."""
+    return (
+        f"Session {nonce}.",
+        f"{document(nonce, lines)}\n\nWhich shelf holds the most crates of plums?",
+    )
+
+
 async def _ask(url: str, nonce: int, lines: int) -> Reply:
-    text = f"{document(nonce, lines)}\n\nWhich shelf holds the most crates of plums?"
+    system, text = _messages(nonce, lines)
     async with httpx.AsyncClient(timeout=600) as client:
-        return await stream_chat(client, url, text, 1, system=f"Session {nonce}.")
+        return await stream_chat(client, url, text, 1, system=system)
+
+
+def _over_http(url: str) -> Ask:
+    def ask(nonce: int, lines: int) -> tuple[float, int]:
+        reply = asyncio.run(_ask(url, nonce, lines))
+        return reply.ttft, reply.prompt_tokens
+
+    return ask
+
+
+@contextmanager
+def _in_process(settings: Settings) -> Iterator[Ask]:
+    """The model work alone: the Conclave's context layout and chunks, then the first logits."""
+    n_seq = settings.worker.max_active_jobs + 4
+    llama = load_multi_sequence_llama(settings, n_seq, n_ctx=n_seq * settings.n_ctx, unified=False)
+    memory = llama_cpp.llama_get_memory(llama.ctx)
+    block = settings.cache.block_tokens
+
+    def ask(nonce: int, lines: int) -> tuple[float, int]:
+        system, text = _messages(nonce, lines)
+        request = JobRequest(
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": text}]
+        )
+        tokens = tokenize(llama, render_prompt(llama, request))
+        llama_cpp.llama_memory_clear(memory, True)
+        started = time.perf_counter()
+        with llama_batch(block) as batch:
+            for start in range(0, len(tokens), block):
+                piece = tokens[start : start + block]
+                fill_batch(batch, [(t, start + i, 0) for i, t in enumerate(piece)], logits=False)
+                batch.logits[len(piece) - 1] = start + block >= len(tokens)  # the last only
+                if llama_cpp.llama_decode(llama.ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed")
+        return time.perf_counter() - started, len(tokens)
+
+    try:
+        yield ask
+    finally:
+        llama.close()
 
 
 def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int) -> str:
-    systems: dict[str, str] = {}
+    systems: dict[str, Ask] = {}
     with ExitStack() as running:
-        systems["granary (default, flash_attn off)"] = running.enter_context(
-            _granary(settings, log_dir, False, 1)
-        )
-        systems["granary, flash_attn on"] = running.enter_context(
-            _granary(settings, log_dir, True, 2)
-        )
+        for name, db, options in (
+            (DEFAULT, 1, {}),
+            ("granary, flash_attn on", 2, {"flash_attn": True}),
+            (NO_CACHE, 3, {"cache": False}),
+        ):
+            url = running.enter_context(_granary(settings, log_dir, db, **options))
+            systems[name] = _over_http(url)
+        systems[IN_PROCESS] = running.enter_context(_in_process(settings))
         if server is not None and server.exists():
-            systems[PEER] = running.enter_context(llama_server(server, settings, log_dir))[0]
-        for url in systems.values():  # load pages, nothing measured
-            asyncio.run(_ask(url, 1, 4))
+            url = running.enter_context(llama_server(server, settings, log_dir))[0]
+            systems[PEER] = _over_http(url)
+        for ask in systems.values():  # load pages, nothing measured
+            ask(1, 4)
         ttfts: dict[tuple[str, str], list[float]] = {}
         tokens: dict[tuple[str, str], int] = {}
         nonce = 1000
         for _ in range(rounds):
             for size, lines in SIZES.items():
-                for name, url in systems.items():
+                for name, ask in systems.items():
                     nonce += 1
-                    reply = asyncio.run(_ask(url, nonce, lines))
-                    ttfts.setdefault((name, size), []).append(reply.ttft)
-                    tokens[(name, size)] = reply.prompt_tokens
+                    ttft, tokens[(name, size)] = ask(nonce, lines)
+                    ttfts.setdefault((name, size), []).append(ttft)
     return _render(systems, ttfts, tokens, rounds)
 
 
 def _render(
-    systems: dict[str, str],
+    systems: dict[str, Ask],
     ttfts: dict[tuple[str, str], list[float]],
     tokens: dict[tuple[str, str], int],
     rounds: int,
@@ -94,21 +159,49 @@ def _render(
         "",
         __doc__.split("\n\n", 1)[1].replace("\n", " ").strip() + f" Medians of {rounds} rounds.",
         "",
-        "| prompt | system | prompt tokens | cold TTFT s | vs llama-server | target ≤ 1.03× |",
-        "|---|---|---|---|---|---|",
+        "| prompt | system | prompt tokens | cold TTFT s | vs model work alone | vs llama-server"
+        " | target ≤ 1.03× |",
+        "|---|---|---|---|---|---|---|",
     ]
     for size in SIZES:
         peer = ttfts.get((PEER, size))
+        alone = statistics.median(ttfts[(IN_PROCESS, size)])
         for name in systems:
             median = statistics.median(ttfts[(name, size)])
+            over_alone = f"{median / alone:.2f}×" if name != IN_PROCESS else "–"
             ratio, verdict = "–", "–"
             if peer is not None and name != PEER:
                 value = median / statistics.median(peer)
                 ratio = f"{value:.2f}×"
-                verdict = "meets" if value <= TARGET else "MISSES"
+                if name != IN_PROCESS:
+                    verdict = "meets" if value <= TARGET else "MISSES"
             lines.append(
-                f"| {size} | {name} | {tokens[(name, size)]} | {median:.2f} | {ratio} | {verdict} |"
+                f"| {size} | {name} | {tokens[(name, size)]} | {median:.2f} | {over_alone}"
+                f" | {ratio} | {verdict} |"
             )
+    lines += ["", _where_the_time_goes(ttfts)]
     if PEER not in systems:
         lines += ["", "llama-server was not built (`make peer-server`): no peer column."]
     return "\n".join(lines) + "\n"
+
+
+def _where_the_time_goes(ttfts: dict[tuple[str, str], list[float]]) -> str:
+    """The default's time over the model work alone, in seconds: the job path and the Conclave
+    (prompt breaks, the last token alone, Redis, SSE), with and without snapshots written."""
+
+    def over_alone(name: str, size: str) -> float:
+        alone = statistics.median(ttfts[(IN_PROCESS, size)])
+        return statistics.median(ttfts[(name, size)]) - alone
+
+    parts = [
+        f"{size}: {over_alone(DEFAULT, size):+.2f} s ({over_alone(NO_CACHE, size):+.2f} s with "
+        "the prefix cache off)"
+        for size in SIZES
+    ]
+    return (
+        "Where granary's time goes, over the model work alone: "
+        + "; ".join(parts)
+        + ". The model work alone against llama-server: the same "
+        "kernels, but the peer reads with flash attention "
+        "(compare granary's two flash_attn rows)."
+    )
