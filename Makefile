@@ -71,8 +71,8 @@ wheel-stock: VARIANT := stock
 wheel-invariant: SITE := $(INVARIANT_SITE)
 wheel-invariant: VARIANT := batch-invariant
 wheel-stock wheel-invariant: $(STAMP)
-	@test -d $(SITE)/llama_cpp || { PIP=$(BIN)/pip $(LLAMA_BUILD) $(SITE)/.. $(VARIANT) && \
-	  $(BIN)/pip install -q --no-deps --target $(SITE) $(SITE)/../llama_cpp_python-$(LLAMA_VERSION)-*.whl; }
+	@test -d $(SITE)/llama_cpp || { PIP=$(BIN)/pip $(LLAMA_BUILD) $(dir $(SITE)) $(VARIANT) && \
+	  $(BIN)/pip install -q --no-deps --target $(SITE) $(dir $(SITE))llama_cpp_python-$(LLAMA_VERSION)-*.whl; }
 
 # For bench/conclave.py only: llama.cpp's own `llama-server`, built from the llama.cpp that the
 # llama-cpp-python sdist vendors (the same kernels granary runs), with the same CPU flags.
