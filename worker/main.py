@@ -74,9 +74,6 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
         llama_cpp.llama_max_parallel_sequences(),
     )
     llama = load_multi_sequence_llama(settings, n_seq, n_ctx=n_seq * settings.n_ctx, unified=False)
-    warm_up(llama)  # before the model thread starts
-    if rows_invariant is None:
-        rows_invariant = batched_rows_equal_lone(llama, n_seq)
     truncatable = memory_is_truncatable(llama)
     cache = open_cache(settings, truncatable=truncatable) if settings.cache.enabled else None
     saver = PrefixSaver() if cache is not None else None
@@ -87,6 +84,10 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
             return cache
         return namespaced.setdefault(namespace, cache.namespaced(namespace))
 
+    def startup() -> bool:
+        warm_up(llama)
+        return batched_rows_equal_lone(llama, n_seq) if rows_invariant is None else rows_invariant
+
     conclave = Conclave(
         llama,
         cache_for,
@@ -96,7 +97,7 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
         n_seq=n_seq,
         truncatable=truncatable,
         exact=worker.exact_batching,
-        rows_invariant=rows_invariant,
+        startup=startup,
     )
     return ConclaveEngine(
         llama, conclave, settings.n_ctx, settings.cache.block_tokens, cache_for, cache, saver

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -11,8 +12,10 @@ from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.conftest import DATA_DIR
 from worker.conclave.engine import ConclaveEngine
+from worker.conclave.loop import Conclave
 from worker.conclave.streams import Ended, Sampling, StreamRequest, Token
-from worker.main import build_conclave
+from worker.main import build_conclave, warm_up
+from worker.multi_sequence import load_multi_sequence_llama
 
 # Free text on the smallest model: near ties come every few tokens, so batches meet them.
 CHATS = [
@@ -101,3 +104,49 @@ def test_near_ties_replay_at_most_once_where_rows_differ(
     assert max(replays) <= 1
     assert sum(replays) >= 2, "no near tie met: the rule went untested"
     assert not any(ended.drifted for _, ended in together)
+
+
+def test_the_start_up_decodes_on_the_thread_that_serves_and_its_failure_is_raised() -> None:
+    """One thread decodes, the warm-up and row check included: a decode on another thread
+    leaves llama.cpp an OpenMP team there that slowed every later decode (~1.4x on 2 cores)."""
+    llama = load_multi_sequence_llama(SETTINGS, 2, n_ctx=2 * SETTINGS.n_ctx, unified=False)
+    seen: list[threading.Thread] = []
+
+    def conclave(startup: Callable[[], bool]) -> Conclave:
+        return Conclave(
+            llama,
+            lambda _: None,
+            None,
+            block_tokens=256,
+            min_snapshot_tokens=64,
+            n_seq=2,
+            truncatable=True,
+            startup=startup,
+        )
+
+    def startup() -> bool:
+        warm_up(llama)
+        seen.append(threading.current_thread())
+        return True
+
+    serving = conclave(startup)
+    tokens = llama.tokenize(b"The harvest was", add_bos=True)
+    request = StreamRequest(tokens, (), None, 0, max_new=2, sampling=Sampling())
+
+    def on_token(_: Token) -> bool:
+        seen.append(threading.current_thread())
+        return False
+
+    handle = serving.submit(serving.handle(request, on_token))
+    while not isinstance(event := handle.next(timeout=60), Ended):
+        assert event is not None, "the stream did not end"
+    serving.close()
+    assert len(seen) == 3 and seen[0] is not threading.main_thread()
+    assert seen[1] is seen[0] and seen[2] is seen[0]
+
+    def failing() -> bool:
+        raise RuntimeError("the warm-up decode failed")
+
+    with pytest.raises(RuntimeError, match="warm-up decode failed"):
+        conclave(failing)
+    llama.close()

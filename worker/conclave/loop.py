@@ -113,9 +113,11 @@ class Conclave:
         min_snapshot_tokens: int,
         n_seq: int,
         truncatable: bool,
+        startup: Callable[[], bool],
         exact: bool = True,
-        rows_invariant: bool = False,
     ) -> None:
+        """`startup` runs first on the model thread, before any job: the warm-up decode, then
+        whether batched rows equal lone ones (`rows_invariant`). If it raises, so does this."""
         self.llama = llama
         self._cache_for = cache_for
         self._saver = saver
@@ -123,7 +125,7 @@ class Conclave:
         self._min_snapshot_tokens = min_snapshot_tokens
         self._truncatable = truncatable
         self._exact = exact
-        self.rows_invariant = rows_invariant
+        self.rows_invariant = False
         mem = llama_cpp.llama_get_memory(llama.ctx)
         self._mem = mem
         llama_cpp.llama_memory_clear(mem, True)
@@ -149,8 +151,16 @@ class Conclave:
         self._held: frozenset[str] = frozenset()
         self.held_changed = threading.Event()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="conclave", daemon=True)
+        started: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, args=(startup, started), name="conclave", daemon=True
+        )
         self._thread.start()
+        failure = started.get()
+        if failure is not None:
+            self._thread.join()
+            llama_cpp.llama_batch_free(self._batch)
+            raise failure
 
     # --- the job threads' side -------------------------------------------------------------
 
@@ -196,7 +206,19 @@ class Conclave:
 
     # --- the model thread ------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(
+        self, startup: Callable[[], bool], started: queue.SimpleQueue[BaseException | None]
+    ) -> None:
+        # Every decode of the model happens on this one thread, the start-up's too. llama.cpp's
+        # CPU backend runs a decode on an OpenMP team of the calling thread, and each thread
+        # that ever decoded keeps a team: with a second one left from a decode on the main
+        # thread, every decode here took ~1.4x as long on 2 cores (docs/ARCHITECTURE.md).
+        try:
+            self.rows_invariant = startup()
+        except BaseException as exc:
+            started.put(exc)
+            return
+        started.put(None)
         while True:
             with self._lock:
                 stopping = self._stopping
