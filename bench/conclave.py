@@ -11,8 +11,9 @@ Every system runs alone on the machine, with the same model file and 2 threads: 
 (API + one worker: one job at a time as before the Conclave, then 8 at once: with the kernels
 `make install` builds, whose batched rows equal lone ones, so exact batching replays nothing;
 then with the stock kernels (`make wheel-stock`), where exact batching replays near ties, and
-with `worker.exact_batching` off, which does not) and `llama-server -np 8 -kvu` built from the
-llama.cpp llama-cpp-python vendors (`make peer-server`).
+with `worker.exact_batching` off, which does not; last with `flash_attn` on, as llama-server
+chooses by itself) and `llama-server -np 8 -kvu` built from the llama.cpp llama-cpp-python
+vendors (`make peer-server`).
 """
 
 from __future__ import annotations
@@ -124,8 +125,15 @@ async def stream_chat(
     )
 
 
+def _client() -> httpx.AsyncClient:
+    """A new connection per request: a pooled one left idle past the server's keep-alive
+    timeout (llama-server's is 5 s) can be closed just as a request goes out on it, and the
+    request then fails with "Server disconnected" (it did, twice, mid-run)."""
+    return httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0))
+
+
 async def _at_once(url: str, texts: list[str], max_tokens: int) -> list[Reply]:
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with _client() as client:
         return list(await asyncio.gather(*(stream_chat(client, url, t, max_tokens) for t in texts)))
 
 
@@ -135,14 +143,14 @@ async def _clients(url: str, texts: list[list[str]], max_tokens: int) -> list[Re
     async def one(client: httpx.AsyncClient, mine: list[str]) -> list[Reply]:
         return [await stream_chat(client, url, t, max_tokens) for t in mine]
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with _client() as client:
         replies = await asyncio.gather(*(one(client, mine) for mine in texts))
     return [r for mine in replies for r in mine]
 
 
 async def _long_and_short(url: str, doc: str, shorts: list[str]) -> tuple[Reply, list[Reply]]:
     question = f"{doc}\n\nWhich shelf holds the most crates of plums? Answer briefly."
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with _client() as client:
         long = stream_chat(client, url, question, SHORT_TOKENS)
         others = [stream_chat(client, url, t, SHORT_TOKENS, delay_s=1.0) for t in shorts]
         replies = await asyncio.gather(long, *others)
@@ -204,6 +212,7 @@ def granary(
         update={
             "worker": settings.worker.model_copy(update=knobs),
             "cache": settings.cache.model_copy(update=cache),
+            "flash_attn": run.flash_attn,
         }
     )
     env = {"PYTHONPATH": str(stock_site)} if run.stock and stock_site is not None else {}
@@ -246,6 +255,7 @@ class Run:
     exact: bool
     active: int
     stock: bool = False  # the stock kernels (make wheel-stock) instead of the installed ones
+    flash_attn: bool = False
 
     @property
     def rows(self) -> str:
@@ -258,6 +268,9 @@ RUNS = (
     Run("granary, exact (default)", True, 8),
     Run("granary, exact, stock kernels (near-tie replays)", True, 8, stock=True),
     Run("granary, exact_batching off, stock kernels", False, 8, stock=True),
+    # llama-server picks flash attention by itself (`-fa auto`); granary leaves it off by
+    # default (docs/ARCHITECTURE.md, "Flash attention off by default"): what it would change.
+    Run("granary, exact, flash_attn on", True, 8, flash_attn=True),
 )
 
 
