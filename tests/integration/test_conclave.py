@@ -117,16 +117,17 @@ def test_a_job_without_room_waits_in_redis_and_interactive_goes_before_batch(
     assert batch.status_code == 202, batch.text
     results = httpx.get(f"{stack.url}/v1/batches/{batch.json()['id']}/results").text
     batch_job = orjson.loads(results.splitlines()[0])["job_id"]
-    late = submit(stack, {**COUNTING, "max_tokens": 4})
+    # Long too: had it ended before the look below, the batch job would have taken its slot.
+    late = submit(stack, {**COUNTING, "max_tokens": 960})
     # Both slots are taken: the two wait in Redis, not in the worker.
     assert httpx.get(f"{stack.url}/v1/jobs/{late['id']}").json()["status"] == "queued"
     assert httpx.get(f"{stack.url}/v1/jobs/{batch_job}").json()["status"] == "queued"
     httpx.delete(f"{stack.url}/v1/jobs/{busy[0]['id']}")
     # The interactive job, queued after the batch one, takes the freed slot.
-    started = wait_status(stack, late["id"], {"started", "finished"})
+    assert wait_status(stack, late["id"], {"started", "finished"})["status"] == "started"
     assert httpx.get(f"{stack.url}/v1/jobs/{batch_job}").json()["status"] == "queued"
-    assert started["status"] in ("started", "finished")
-    httpx.delete(f"{stack.url}/v1/jobs/{busy[1]['id']}")
+    for job in (late, busy[1]):
+        httpx.delete(f"{stack.url}/v1/jobs/{job['id']}")
     assert wait_status(stack, batch_job, {"finished"}, timeout_s=120)["status"] == "finished"
 
 
