@@ -58,7 +58,9 @@ def wait_status(
 ) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while True:
-        job: dict[str, Any] = httpx.get(f"{stack.url}/v1/jobs/{job_id}").json()
+        response = httpx.get(f"{stack.url}/v1/jobs/{job_id}")
+        assert response.status_code == 200, response.text
+        job: dict[str, Any] = response.json()
         if job["status"] in statuses:
             return job
         assert time.monotonic() < deadline, f"job stayed {job['status']}"
