@@ -139,13 +139,13 @@ class JobStore:
                 pipe.hgetall(keys.job(job_id))
             raws: list[dict[bytes, bytes]] = pipe.execute()
         return [
-            self._view(job_id, _decoded(raw)) if raw else None
+            self._view(job_id, _decoded(raw)) if b"status" in raw else None
             for job_id, raw in zip(job_ids, raws, strict=True)
         ]
 
     def _record(self, job_id: str) -> dict[str, str]:
         raw: dict[bytes, bytes] = self._redis.hgetall(keys.job(job_id))  # type: ignore[assignment]
-        if not raw:
+        if b"status" not in raw:  # none, or only what a late writer left of an expired one
             raise JobNotFound(f"no job with id {job_id!r}")
         return _decoded(raw)
 

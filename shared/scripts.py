@@ -24,8 +24,11 @@ return redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 # KEYS: job, events stream, channel, cancel flag. ARGV: first index, then an event name and its
 # json per event (`token`, `answer`). Events already published (by an earlier attempt) are
 # skipped; the rest go to the stream and, as one message of "seq|event|data" lines, to the
-# channel. Returns 1 when the job was cancelled (the worker stops), else 0.
+# channel. Returns 1 when the job was cancelled (the worker stops), else 0. A job whose record is
+# gone (expired, or deleted from outside while it ran) counts as cancelled and gets nothing
+# written: an HSET would leave a record with no status and no TTL, read back as a broken job.
 _EMIT_EVENTS = """
+if redis.call('HEXISTS', KEYS[1], 'status') == 0 then return 1 end
 local emitted = tonumber(redis.call('HGET', KEYS[1], 'emitted') or '0')
 local first = tonumber(ARGV[1])
 local lines = {}

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from shared import keys
+from shared.errors import JobNotFound
 from shared.job_store import JobStore
 from shared.schemas import JobResult, JobStatus, RenderedPrompt, TokenEvent, WorkOrder
 
@@ -22,10 +24,15 @@ ORDER = WorkOrder(
 
 
 @pytest.fixture
-def store(redis_url: str) -> Iterator[JobStore]:
+def client(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)
-    yield JobStore(client, result_ttl_s=60)
+    yield client
     client.close()
+
+
+@pytest.fixture
+def store(client: redis.Redis) -> JobStore:
+    return JobStore(client, result_ttl_s=60)
 
 
 def test_retry_never_publishes_a_token_twice(store: JobStore) -> None:
@@ -79,3 +86,18 @@ def test_many_jobs_read_in_order_with_gone_ones_as_none(store: JobStore) -> None
     assert [v.id if v else None for v in views] == ["b", None, "a", None]
     assert views[0] is not None and views[0].result == JobResult(text="x", finish_reason="stop")
     assert views[2] == store.get("a")
+
+
+def test_a_job_whose_record_went_while_it_ran_stops_its_worker_and_reads_as_gone(
+    store: JobStore, client: redis.Redis
+) -> None:
+    store.create("j", "interactive", ORDER)
+    store.start("j")
+    client.delete(keys.job("j"))  # expired, or deleted from outside
+    assert store.emit("j", [TokenEvent(index=0, text="a")]) is True  # the worker stops
+    assert not client.exists(keys.job("j"))  # and left no record without a status
+    client.hset(keys.job("k"), "emitted", 3)  # what a worker before that check left behind
+    for job_id in ("j", "k"):
+        with pytest.raises(JobNotFound):
+            store.get(job_id)
+    assert store.get_many(["j", "k"]) == [None, None]
