@@ -13,7 +13,7 @@ from shared.settings import Settings
 from tests.conftest import DATA_DIR
 from worker.conclave.engine import ConclaveEngine
 from worker.conclave.loop import Conclave
-from worker.conclave.streams import Ended, Sampling, StreamRequest, Token
+from worker.conclave.streams import Ended, Sampling, StreamHandle, StreamRequest, Token
 from worker.main import build_conclave, warm_up
 from worker.multi_sequence import load_multi_sequence_llama
 
@@ -73,12 +73,14 @@ def run(engine: ConclaveEngine, prompts: list[list[int]]) -> list[tuple[list[int
             return False
 
         submitted.append((engine.conclave.submit(engine.conclave.handle(request, keep)), out))
-    results = []
-    for handle, out in submitted:
-        while not isinstance(event := handle.next(timeout=120), Ended):
-            assert event is not None, "the stream did not end"
-        results.append((out, event))
-    return results
+    return [(out, ended(handle)) for handle, out in submitted]
+
+
+def ended(handle: StreamHandle) -> Ended:
+    """The stream's end, once every event before it is taken."""
+    while not isinstance(event := handle.next(timeout=120), Ended):
+        assert event is not None, "the stream did not end"
+    return event
 
 
 def test_the_wheel_make_install_builds_decodes_rows_together_as_alone_without_replays(
@@ -137,9 +139,7 @@ def test_the_start_up_decodes_on_the_thread_that_serves_and_its_failure_is_raise
         seen.append(threading.current_thread())
         return False
 
-    handle = serving.submit(serving.handle(request, on_token))
-    while not isinstance(event := handle.next(timeout=60), Ended):
-        assert event is not None, "the stream did not end"
+    ended(serving.submit(serving.handle(request, on_token)))
     serving.close()
     assert len(seen) == 3 and seen[0] is not threading.main_thread()
     assert seen[1] is seen[0] and seen[2] is seen[0]
