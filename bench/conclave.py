@@ -37,6 +37,10 @@ from shared.settings import Settings
 from tests.harness import Stack, _get_ok, _wait_for, free_port
 
 CLIENTS = (1, 4, 8)
+# How many jobs a worker should decode at once (`worker.max_active_jobs`): more clients than
+# the largest setting, so every setting runs full.
+SWEEP_ACTIVE = (4, 8, 16)
+SWEEP_CLIENTS = 16
 MAX_TOKENS = 64
 REQUESTS = 2  # per client in A, one after another
 SHORT_TOKENS = 16
@@ -181,20 +185,23 @@ def peak_rss_mb(pid: int) -> int:
     return 0
 
 
+def load_round(url: str, system: str, n: int, offset: int) -> LoadRow:
+    """n clients at once, each sending REQUESTS requests one after the other."""
+    texts = [
+        [prompt(offset + n * 100 + i * REQUESTS + k) for k in range(REQUESTS)] for i in range(n)
+    ]
+    replies = asyncio.run(_clients(url, texts, MAX_TOKENS))
+    wall = max(r.ended for r in replies) - min(r.started for r in replies)
+    tokens = sum(r.tokens for r in replies)
+    return LoadRow(system, n, tokens / wall, statistics.median(r.ttft for r in replies))
+
+
 def measure(url: str, system: str, offset: int, pid: int) -> tuple[list[LoadRow], MixRow]:
     """Both scenarios against a running server; `offset` keeps prompts unseen by earlier runs."""
-    rows = []
     asyncio.run(_at_once(url, [prompt(offset + 999)], 4))  # warm-up: load pages, JIT nothing
     # Alone first, on a worker that has served nothing else, as the one-job engine does.
     alone, _ = asyncio.run(_long_and_short(url, document(offset + 1), []))
-    for n in CLIENTS:
-        texts = [
-            [prompt(offset + n * 100 + i * REQUESTS + k) for k in range(REQUESTS)] for i in range(n)
-        ]
-        replies = asyncio.run(_clients(url, texts, MAX_TOKENS))
-        wall = max(r.ended for r in replies) - min(r.started for r in replies)
-        tokens = sum(r.tokens for r in replies)
-        rows.append(LoadRow(system, n, tokens / wall, statistics.median(r.ttft for r in replies)))
+    rows = [load_round(url, system, n, offset) for n in CLIENTS]
     shorts = [prompt(offset + 500 + i) for i in range(4)]
     long, others = asyncio.run(_long_and_short(url, document(offset + 2), shorts))
     p95 = sorted(r.ttft for r in others)[-1]  # the worst of four
@@ -345,4 +352,30 @@ def _render(loads: list[LoadRow], mixes: list[MixRow], peer: bool, peer_failure:
             f"| {m.system} | {m.short_p95:.2f} | {m.long_ttft:.2f} | {m.long_alone:.2f} | "
             f"{m.long_ttft / m.long_alone:.2f}× | {m.peak_rss_mb} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def sweep_section(settings: Settings, log_dir: Path) -> str:
+    """One round of SWEEP_CLIENTS clients per `max_active_jobs` setting (exact, as by default)."""
+    rows = []
+    for i, active in enumerate(SWEEP_ACTIVE):
+        run = Run(f"max_active_jobs {active}", True, active)
+        offset = 100_000 + i * 1000
+        with granary(settings, log_dir, run, None) as (url, _pid):
+            asyncio.run(_at_once(url, [prompt(offset + 999)], 4))  # warm-up
+            rows.append((active, load_round(url, run.name, SWEEP_CLIENTS, offset)))
+    lines = [
+        "## How many jobs a worker decodes at once",
+        "",
+        f"`bench/conclave.py`, `worker.max_active_jobs` (default 8): {SWEEP_CLIENTS} clients at "
+        f"once, each sending {REQUESTS} requests one after the other (distinct ~115-token chats, "
+        f"{MAX_TOKENS} tokens, greedy, exact batching; Qwen2.5-0.5B, 2 threads, one worker), one "
+        "round per setting, each on a new worker.",
+        "",
+        "| max_active_jobs | clients | tok/s | TTFT p50 s |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {active} | {r.clients} | {r.tok_s:.1f} | {r.ttft_p50:.2f} |" for active, r in rows
+    ]
     return "\n".join(lines) + "\n"

@@ -25,6 +25,7 @@ from bench import (
     job_path,
     machine,
     prefix_cache,
+    prompt_kernels,
     restore,
     result_cache,
     routing,
@@ -161,6 +162,11 @@ def _batch_rows_section(
     return batch_rows.section(settings, stock_site, invariant_site)
 
 
+def _prompt_kernels_section(redis_url: str) -> str:
+    models = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
+    return prompt_kernels.section([_settings(redis_url, m, n_threads=2) for m in models])
+
+
 def _chunk_shape_section(redis_url: str) -> str:
     models = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
     return chunk_shape.section([_settings(redis_url, m) for m in models])
@@ -171,6 +177,11 @@ def _conclave_section(
 ) -> str:
     settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
     return conclave.section(settings, log_dir, server, stock_site)
+
+
+def _conclave_sweep_section(redis_url: str, log_dir: Path) -> str:
+    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
+    return conclave.sweep_section(settings, log_dir)
 
 
 def _cold_prefill_section(redis_url: str, log_dir: Path, server: Path | None, quick: bool) -> str:
@@ -208,7 +219,9 @@ def main() -> None:
             "speculation",
             "batch_rows",
             "chunk_shape",
+            "prompt_kernels",
             "conclave",
+            "conclave_sweep",
             "cold_prefill",
             "routing",
             "exam",
@@ -265,9 +278,11 @@ def main() -> None:
                 _batch_rows_section(redis_url, args.stock_site, args.invariant_site)
             ],
             "chunk_shape": lambda: [_chunk_shape_section(redis_url)],
+            "prompt_kernels": lambda: [_prompt_kernels_section(redis_url)],
             "conclave": lambda: [
                 _conclave_section(redis_url, log_dir, args.peer_server, args.stock_site)
             ],
+            "conclave_sweep": lambda: [_conclave_sweep_section(redis_url, log_dir)],
             "cold_prefill": lambda: [
                 _cold_prefill_section(redis_url, log_dir, args.peer_server, args.quick)
             ],

@@ -42,16 +42,25 @@ edit() {
 }
 
 if [ "$VARIANT" = row-invariant ]; then
-  edit "$cpu/llamafile/sgemm.cpp" '    if (n < 2)' "    if (n < $ROWS)"
-  edit "$cpu/repack.cpp" '        if (nrows > 3) {' "        if (nrows >= $ROWS) {"
+  # One global, read by every patched kernel at each call: the row count from which they take
+  # their batched path. 32 (the default) for decode steps; granary sets it to 0 (the sdist's own
+  # thresholds) around a prompt chunk's passes (worker/kernels.py), whose values depend on the
+  # chunk alone, never on what is decoded beside it.
+  rows='granary_exact_rows'
+  edit "$cpu/ggml-cpu-impl.h" 'struct ggml_compute_params {' \
+    "__attribute__((visibility(\"default\"))) extern int $rows;
+struct ggml_compute_params {"
+  printf '\n__attribute__((visibility("default"))) int %s = %d;\n' "$rows" "$ROWS" >>"$cpu/ggml-cpu.c"
+  edit "$cpu/llamafile/sgemm.cpp" '    if (n < 2)' "    if (n < 2 || n < $rows)"
+  edit "$cpu/repack.cpp" '        if (nrows > 3) {' "        if (nrows > 3 && nrows >= $rows) {"
   edit "$cpu/repack.cpp" 'for (int iter = nrows - (nrows % 4); iter < nrows' \
-    "for (int iter = nrows >= $ROWS ? nrows - (nrows % 4) : 0; iter < nrows"
-  edit "$cpu/repack.cpp" 'i11 < ne11 - ne11 % 4;' "i11 < (ne11 >= $ROWS ? ne11 - ne11 % 4 : 0);"
+    "for (int iter = nrows >= $rows ? nrows - (nrows % 4) : 0; iter < nrows"
+  edit "$cpu/repack.cpp" 'i11 < ne11 - ne11 % 4;' "i11 < (ne11 >= $rows ? ne11 - ne11 % 4 : 0);"
   edit "$cpu/repack.cpp" 'i11_processed = ne11 - ne11 % 4;' \
-    "i11_processed = ne11 >= $ROWS ? ne11 - ne11 % 4 : 0;"
-  edit "$cpu/tiled/tiled.cpp" 'return rows >= 8 ||' "return rows >= $ROWS ||"
+    "i11_processed = ne11 >= $rows ? ne11 - ne11 % 4 : 0;"
+  edit "$cpu/tiled/tiled.cpp" 'return rows >= 8 ||' "return (rows >= 8 && rows >= $rows) ||"
   edit "$cpu/ggml-cpu.c" 'if ((nr0 % 2 != 0) || (ne11 % 2 != 0)' \
-    "if ((ne11 < $ROWS) || (nr0 % 2 != 0) || (ne11 % 2 != 0)"
+    "if ((ne11 < $rows) || (nr0 % 2 != 0) || (ne11 % 2 != 0)"
 elif [ "$VARIANT" = batch-invariant ]; then
   extra=-DGGML_LLAMAFILE=OFF
 elif [ "$VARIANT" != stock ]; then

@@ -30,6 +30,7 @@ from shared.schemas import (
     WorkOrder,
 )
 from worker import kv_state
+from worker.kernels import prompt_chunk_kernels
 from worker.prefix_saver import PrefixSaver
 from worker.prompt_breaks import content_breaks
 from worker.resume import text_stream
@@ -313,7 +314,8 @@ class Engine:
             end,
             *(b for b in prompt.breaks if b > position),
         )
-        self.llama.eval(prompt.tokens[position:chunk_end])
+        with prompt_chunk_kernels():
+            self.llama.eval(prompt.tokens[position:chunk_end])
         return chunk_end
 
     def _snapshot(self, cache: PrefixCache | None, prompt: _Prompt, end: int) -> None:

@@ -26,6 +26,7 @@ from shared.errors import ContextOverflow, GranaryError
 from shared.llm import load_llama, quiet_native_logs
 from shared.settings import Settings
 from worker.decode_batch import fill_batch, llama_batch
+from worker.kernels import prompt_chunk_kernels
 from worker.speculation.drafting import Drafting
 from worker.speculation.near_tie import TIE_MARGIN, is_near_tie
 
@@ -319,11 +320,12 @@ class _Run:
         position = self.prefix
         while position < end:
             chunk_end = min(position - position % self.chunk_tokens + self.chunk_tokens, end)
-            for start in range(position, chunk_end, self.llama.n_batch):
-                stop = min(start + self.llama.n_batch, chunk_end)
-                pieces = [(tokens[p - self.prefix], p, stream.seq) for p in range(start, stop)]
-                fill_batch(batch, pieces, logits=False)
-                self._decode(batch)
+            with prompt_chunk_kernels():
+                for start in range(position, chunk_end, self.llama.n_batch):
+                    stop = min(start + self.llama.n_batch, chunk_end)
+                    pieces = [(tokens[p - self.prefix], p, stream.seq) for p in range(start, stop)]
+                    fill_batch(batch, pieces, logits=False)
+                    self._decode(batch)
             position = chunk_end
         stream.pos = stream.exact_until = end
 

@@ -1,10 +1,10 @@
 """A model fingerprint: which cached KV states a process may read.
 
 The state of a prompt depends on the weights, the KV cache's data type, the attention kernel
-(flash attention rounds otherwise and lays V out untransposed) and the state format of the
-llama.cpp build, so all four go into the fingerprint; a different model or build reads none of
-another's blobs. Hashing a GGUF takes ~1 s per 500 MB, so the content digest is kept in
-a sidecar file keyed by path, size and modification time.
+(flash attention rounds otherwise and lays V out untransposed), the kernels its chunks take and
+the state format of the llama.cpp build, so all five go into the fingerprint; a different model
+or build reads none of another's blobs. Hashing a GGUF takes ~1 s per 500 MB, so the content
+digest is kept in a sidecar file keyed by path, size and modification time.
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ from shared.settings import Settings
 
 # llama.cpp's default KV cache type; granary does not change it.
 KV_CACHE_TYPE = "f16"
+# How a prompt chunk's passes are computed: with the sdist's row thresholds (worker/kernels.py).
+# States granary cached before, when a chunk under 32 tokens was read one row at a time, hold
+# other values, so they are not read.
+PROMPT_KERNELS = "prompt-chunks=sdist-thresholds"
 _CHUNK_BYTES = 8 * 1024 * 1024
 
 
@@ -46,6 +50,7 @@ def model_fingerprint(path: Path, sidecar_dir: Path, *, flash_attn: bool) -> str
         file_digest(path, sidecar_dir),
         KV_CACHE_TYPE,
         f"llama-cpp-python={version('llama-cpp-python')}",
+        PROMPT_KERNELS,
     ]
     if flash_attn:  # off adds nothing: states cached before the setting keep their fingerprint
         parts.append("flash-attn")

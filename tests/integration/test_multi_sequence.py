@@ -30,6 +30,7 @@ from shared.submission import work_order_for
 from tests.conftest import DATA_DIR
 from worker import kv_state
 from worker.engine import Engine
+from worker.kernels import prompt_chunk_kernels
 from worker.multi_sequence import (
     Answer,
     DoesNotFit,
@@ -146,11 +147,13 @@ def _logits(llama: Llama, row: int) -> np.ndarray:
 
 
 def _prefill(llama: Llama, tokens: list[int], start: int, end: int) -> None:
-    """Llama.eval in canonical chunks: ending at multiples of CHUNK and at `end`."""
+    """Llama.eval in canonical chunks, ending at multiples of CHUNK and at `end`, on the
+    kernels the engines read prompt chunks with."""
     position = start
     while position < end:
         chunk_end = min(position - position % CHUNK + CHUNK, end)
-        llama.eval(tokens[position:chunk_end])
+        with prompt_chunk_kernels():
+            llama.eval(tokens[position:chunk_end])
         position = chunk_end
 
 

@@ -6,32 +6,49 @@ from __future__ import annotations
 from shared.settings import Settings
 from tests.conftest import DATA_DIR
 from worker.conclave.row_check import batched_rows_equal_lone, row_counts
+from worker.kernels import exact_rows, prompt_chunk_kernels
 from worker.multi_sequence import load_multi_sequence_llama
 
 
-def check(model: str, n_seq: int, long_cells: int = 0) -> bool:
+def check(model: str, n_seq: int, long_cells: int = 0, *, times: int = 1) -> list[bool]:
+    """The check's answer, `times` times on one loaded model: the first inside
+    prompt_chunk_kernels() when times is 2."""
     settings = Settings(model=model, data_dir=DATA_DIR, n_ctx=512)
     llama = load_multi_sequence_llama(settings, n_seq, n_ctx=n_seq * settings.n_ctx, unified=False)
     try:
-        return batched_rows_equal_lone(llama, n_seq, long_cells)
+        if times == 1:
+            return [batched_rows_equal_lone(llama, n_seq, long_cells)]
+        with prompt_chunk_kernels():
+            answers = [batched_rows_equal_lone(llama, n_seq, long_cells)]
+        return [*answers, batched_rows_equal_lone(llama, n_seq, long_cells)]
     finally:
         llama.close()
 
 
 def test_steps_of_up_to_31_rows_equal_their_rows_decoded_alone() -> None:
-    assert check("smollm2-135m", 31)
+    assert check("smollm2-135m", 31) == [True]
 
 
 def test_a_short_row_beside_a_sequence_past_the_padded_window_equals_it_alone() -> None:
     # Beside a sequence of 260 cells a step's attention window is 512 cells, not 256.
-    assert check("smollm2-135m", 8, long_cells=260)
+    assert check("smollm2-135m", 8, long_cells=260) == [True]
 
 
 def test_a_step_of_32_rows_or_more_takes_the_batch_kernels_and_the_check_sees_it() -> None:
     # The patched thresholds are 32 rows: from there Qwen's weights take llama.cpp's batch
     # kernels, whose rows differ from lone ones. The check must say so, or it could not catch
     # a stock wheel.
-    assert not check("qwen2.5-0.5b", 40)
+    assert check("qwen2.5-0.5b", 40) == [False]
+
+
+def test_prompt_chunks_take_the_sdists_kernels_and_decode_steps_the_exact_ones_again() -> None:
+    # The switch reaches the kernels: inside it, a step of 8 rows takes the sdist's batch path
+    # (Qwen's weights then give rows that differ from lone ones); after it, the exact path.
+    threshold = exact_rows()
+    assert threshold is not None, "the installed wheel was built without granary's switch"
+    assert threshold.value == 32
+    assert check("qwen2.5-0.5b", 8, times=2) == [False, True]
+    assert threshold.value == 32
 
 
 def test_the_check_covers_where_stock_kernels_switch_and_the_widest_step() -> None:

@@ -51,6 +51,7 @@ from worker.conclave.streams import (
 )
 from worker.decode_batch import fill_batch
 from worker.engine import snapshot_points
+from worker.kernels import prompt_chunk_kernels
 from worker.multi_sequence import sample
 from worker.prefix_saver import PrefixSaver
 from worker.speculation.near_tie import TIE_MARGIN, is_near_tie
@@ -351,10 +352,11 @@ class Conclave:
             *(b for b in request.breaks if b > position),
         )
         # Split at n_batch as Llama.eval does, so every cell matches a lone run's.
-        for start in range(position, chunk_end, self.llama.n_batch):
-            stop = min(start + self.llama.n_batch, chunk_end)
-            rows = [(request.tokens[p], p, stream.seq) for p in range(start, stop)]
-            self._decode(rows, logits=False)
+        with prompt_chunk_kernels():
+            for start in range(position, chunk_end, self.llama.n_batch):
+                stop = min(start + self.llama.n_batch, chunk_end)
+                rows = [(request.tokens[p], p, stream.seq) for p in range(start, stop)]
+                self._decode(rows, logits=False)
         assert stream.resident is not None
         stream.resident.tokens.extend(request.tokens[position:chunk_end])
         stream.resident.prefilled = stream.pos = chunk_end

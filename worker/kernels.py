@@ -1,0 +1,63 @@
+"""Which CPU kernels a pass takes: a prompt chunk's fastest ones, or a decode step's exact ones.
+
+The wheel `make install` builds (deploy/build-llama-wheel.sh) has llama.cpp's kernels that pick
+their code path by the number of rows in a pass take their batched path only from
+`granary_exact_rows` rows (32), so a decode step of fewer rows computes every row as it would
+alone, bit for bit: what lets the Conclave batch jobs, and speculation verify drafts, exactly.
+
+A prompt chunk needs none of that. Its values depend on the chunk alone (canonical chunks: the
+same tokens, positions and row count in every path, cold or after a restore), never on what
+is decoded beside it, so it can take the sdist's own thresholds; a question's 12-token tail
+after a restored document is otherwise read one row at a time, at several times the cost
+(docs/BENCHMARKS.md, "A prompt chunk's kernels"). Only the thread that decodes switches it,
+between passes, so no pass ever sees it change.
+
+A wheel without the switch (stock, or a build of its own) has nothing to set: its prompt chunks
+already take the sdist's thresholds, the same kernels as here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import llama_cpp
+
+SYMBOL = "granary_exact_rows"
+# Below every threshold of the sdist: each kernel takes its own (2, 4 or 8 rows).
+STOCK_THRESHOLDS = 0
+
+
+@functools.cache
+def exact_rows() -> ctypes.c_int | None:
+    """The loaded CPU backend's threshold, or None for a wheel built without the switch."""
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    for path in sorted(lib_dir.glob("libggml-cpu.*")):
+        # Only the backend llama_cpp loaded (by its soname, libggml-cpu.so.0): a wheel holds
+        # each name as a copy, and a copy opened by its path is a second library whose switch
+        # no kernel reads.
+        try:
+            loaded = ctypes.CDLL(path.name, mode=os.RTLD_NOLOAD)
+            return ctypes.c_int.in_dll(loaded, SYMBOL)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+@contextlib.contextmanager
+def prompt_chunk_kernels() -> Iterator[None]:
+    """Passes inside take the sdist's row thresholds: for prompt chunks only."""
+    threshold = exact_rows()
+    if threshold is None:
+        yield
+        return
+    saved = threshold.value
+    threshold.value = STOCK_THRESHOLDS
+    try:
+        yield
+    finally:
+        threshold.value = saved
