@@ -190,7 +190,8 @@ class Settings(BaseSettings):
     # prefill, the more so the longer the prompt, and faster batched decoding
     # (docs/BENCHMARKS.md). Off by default: with it, rows verified or answered together on the
     # one-job engine (extraction questions, speculative drafts) parted from lone runs in the
-    # test suite, past the near-tie rule. Cells computed with and without it differ in rounding
+    # test suite, past the near-tie rule; in the Conclave a short row beside a sequence past
+    # 256 cells differs from alone (its start-up row check then has it replay near ties). Cells computed with and without it differ in rounding
     # and layout, so it is part of the cache fingerprint: neither reads the other's states.
     flash_attn: bool = False
     log_level: str = "INFO"

@@ -19,7 +19,7 @@ from shared.warm_runs import WarmRuns
 from worker import tasks
 from worker.conclave.engine import ConclaveEngine
 from worker.conclave.loop import Conclave
-from worker.conclave.row_check import batched_rows_equal_lone
+from worker.conclave.row_check import PAST_PADDED_WINDOW, batched_rows_equal_lone
 from worker.decode_batch import fill_batch, llama_batch
 from worker.engine import Engine, memory_is_truncatable
 from worker.multi_sequence import load_multi_sequence_llama
@@ -84,9 +84,14 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
             return cache
         return namespaced.setdefault(namespace, cache.namespaced(namespace))
 
+    # Flash attention reads a short row beside a long sequence otherwise than alone.
+    long_cells = PAST_PADDED_WINDOW if settings.flash_attn else 0
+
     def startup() -> bool:
         warm_up(llama)
-        return batched_rows_equal_lone(llama, n_seq) if rows_invariant is None else rows_invariant
+        if rows_invariant is not None:
+            return rows_invariant
+        return batched_rows_equal_lone(llama, n_seq, long_cells)
 
     conclave = Conclave(
         llama,

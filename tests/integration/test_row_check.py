@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from shared.settings import Settings
 from tests.conftest import DATA_DIR
-from worker.conclave.row_check import batched_rows_equal_lone, row_counts
+from worker.conclave.row_check import PAST_PADDED_WINDOW, batched_rows_equal_lone, row_counts
 from worker.kernels import exact_rows, prompt_chunk_kernels
+from worker.main import build_conclave
 from worker.multi_sequence import load_multi_sequence_llama
 
 
@@ -31,7 +32,7 @@ def test_steps_of_up_to_31_rows_equal_their_rows_decoded_alone() -> None:
 
 def test_a_short_row_beside_a_sequence_past_the_padded_window_equals_it_alone() -> None:
     # Beside a sequence of 260 cells a step's attention window is 512 cells, not 256.
-    assert check("smollm2-135m", 8, long_cells=260) == [True]
+    assert check("smollm2-135m", 8, long_cells=PAST_PADDED_WINDOW) == [True]
 
 
 def test_a_step_of_32_rows_or_more_takes_the_batch_kernels_and_the_check_sees_it() -> None:
@@ -49,6 +50,26 @@ def test_prompt_chunks_take_the_sdists_kernels_and_decode_steps_the_exact_ones_a
     assert threshold.value == 32
     assert check("qwen2.5-0.5b", 8, times=2) == [False, True]
     assert threshold.value == 32
+
+
+def test_with_flash_attention_the_worker_checks_the_padded_window_and_finds_rows_differing() -> (
+    None
+):
+    # Flash attention gives a short row beside a sequence past 256 cells other logits than
+    # alone (the check passes without `long_cells`): the worker must see it and replay near ties.
+    settings = Settings(
+        model="smollm2-135m",
+        data_dir=DATA_DIR,
+        n_ctx=512,
+        flash_attn=True,
+        cache={"enabled": False},
+        worker={"max_active_jobs": 4},
+    )
+    engine = build_conclave(settings)
+    try:
+        assert not engine.conclave.rows_invariant
+    finally:
+        engine.close()
 
 
 def test_the_check_covers_where_stock_kernels_switch_and_the_widest_step() -> None:

@@ -9,11 +9,12 @@ rows (deploy/build-llama-wheel.sh); then a decode step of fewer rows needs no re
 This checks it on the loaded model at start-up instead of trusting the build (another wheel,
 another CPU, a model whose weights take another kernel): a step of n rows, one per sequence,
 must give every row the logits, bit for bit, that the same token decoded alone gets. Sequences
-hold different numbers of cells. One thing it leaves to the test suite, to keep a worker's start
-short: a row whose sequence is short, decoded beside one past the 256 cells to which llama.cpp
-pads a step's attention window (`get_n_kv` in llama-kv-cache.cpp), reads a longer window than
-alone; that is the same for every build of the llama.cpp we pin, and
-tests/integration/test_row_check.py checks it (`long_cells`).
+hold different numbers of cells. A row whose sequence is short, decoded beside one past the 256
+cells to which llama.cpp pads a step's attention window (`get_n_kv` in llama-kv-cache.cpp),
+reads a longer window than alone. With the default attention kernel that changes nothing, the
+same on every build of the llama.cpp we pin (tests/integration/test_row_check.py checks it), so
+the worker leaves that case out to keep its start short. With flash attention it changes the
+row's logits, so the worker checks it then (`long_cells`) and finds rows differing.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from worker.decode_batch import fill_batch, llama_batch
 log = logging.getLogger(__name__)
 
 TEXT = b"Granary keeps what it has read; a shared prefix is computed once and restored after."
+# Cells of a sequence past the attention window's padding (256), for `long_cells`.
+PAST_PADDED_WINDOW = 260
 
 
 def row_counts(n_seq: int) -> list[int]:
