@@ -11,9 +11,9 @@ Every system runs alone on the machine, with the same model file and 2 threads: 
 (API + one worker: one job at a time as before the Conclave, then 8 at once: with the kernels
 `make install` builds, whose batched rows equal lone ones, so exact batching replays nothing;
 then with the stock kernels (`make wheel-stock`), where exact batching replays near ties, and
-with `worker.exact_batching` off, which does not; last with `flash_attn` on (whose row check finds rows differing, so it replays too), as llama-server
-chooses by itself) and `llama-server -np 8 -kvu` built from the llama.cpp llama-cpp-python
-vendors (`make peer-server`).
+with `worker.exact_batching` off, which does not; last with `flash_attn` on, as llama-server
+chooses by itself, whose row check finds rows differing, so it replays too) and
+`llama-server -np 8 -kvu` built from the llama.cpp llama-cpp-python vendors (`make peer-server`).
 """
 
 from __future__ import annotations
