@@ -191,8 +191,9 @@ class Settings(BaseSettings):
     # (docs/BENCHMARKS.md). Off by default: with it, rows verified or answered together on the
     # one-job engine (extraction questions, speculative drafts) parted from lone runs in the
     # test suite, past the near-tie rule; in the Conclave a short row beside a sequence past
-    # 256 cells differs from alone (its start-up row check then has it replay near ties). Cells computed with and without it differ in rounding
-    # and layout, so it is part of the cache fingerprint: neither reads the other's states.
+    # 256 cells differs from alone (its start-up row check then has it replay near ties).
+    # Cells computed with and without it differ in rounding and layout, so it is part of the
+    # cache fingerprint: neither reads the other's states.
     flash_attn: bool = False
     log_level: str = "INFO"
     # Comma-separated in GRANARY_API_KEYS. Empty: no authentication.

@@ -8,8 +8,9 @@ alone, bit for bit: what lets the Conclave batch jobs, and speculation verify dr
 A prompt chunk needs none of that. Its values depend on the chunk alone (canonical chunks: the
 same tokens, positions and row count in every path, cold or after a restore), never on what
 is decoded beside it, so it can take the sdist's own thresholds; a question's 12-token tail
-after a restored document is otherwise read one row at a time, at several times the cost
-(docs/BENCHMARKS.md, "A prompt chunk's kernels"). Only the thread that decodes switches it,
+after a restored document would otherwise be read one row at a time, at 1.25 times the cost
+on Qwen2.5 and up to 1.6 times for longer tails (docs/BENCHMARKS.md, "A prompt chunk's
+kernels"). Only the thread that decodes switches it,
 between passes, so no pass ever sees it change.
 
 A wheel without the switch (stock, or a build of its own) has nothing to set: its prompt chunks
