@@ -3,6 +3,11 @@ the wheel `make install` builds (deploy/build-llama-wheel.sh)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+from llama_cpp import Llama
+
 from shared.settings import Settings
 from tests.conftest import DATA_DIR
 from worker.conclave.row_check import PAST_PADDED_WINDOW, batched_rows_equal_lone, row_counts
@@ -11,35 +16,35 @@ from worker.main import build_conclave
 from worker.multi_sequence import load_multi_sequence_llama
 
 
-def check(model: str, n_seq: int, long_cells: int = 0, *, times: int = 1) -> list[bool]:
-    """The check's answer, `times` times on one loaded model: the first inside
-    prompt_chunk_kernels() when times is 2."""
+@contextlib.contextmanager
+def loaded(model: str, n_seq: int) -> Iterator[Llama]:
     settings = Settings(model=model, data_dir=DATA_DIR, n_ctx=512)
     llama = load_multi_sequence_llama(settings, n_seq, n_ctx=n_seq * settings.n_ctx, unified=False)
     try:
-        if times == 1:
-            return [batched_rows_equal_lone(llama, n_seq, long_cells)]
-        with prompt_chunk_kernels():
-            answers = [batched_rows_equal_lone(llama, n_seq, long_cells)]
-        return [*answers, batched_rows_equal_lone(llama, n_seq, long_cells)]
+        yield llama
     finally:
         llama.close()
 
 
+def check(model: str, n_seq: int, long_cells: int = 0) -> bool:
+    with loaded(model, n_seq) as llama:
+        return batched_rows_equal_lone(llama, n_seq, long_cells)
+
+
 def test_steps_of_up_to_31_rows_equal_their_rows_decoded_alone() -> None:
-    assert check("smollm2-135m", 31) == [True]
+    assert check("smollm2-135m", 31)
 
 
 def test_a_short_row_beside_a_sequence_past_the_padded_window_equals_it_alone() -> None:
     # Beside a sequence of 260 cells a step's attention window is 512 cells, not 256.
-    assert check("smollm2-135m", 8, long_cells=PAST_PADDED_WINDOW) == [True]
+    assert check("smollm2-135m", 8, long_cells=PAST_PADDED_WINDOW)
 
 
 def test_a_step_of_32_rows_or_more_takes_the_batch_kernels_and_the_check_sees_it() -> None:
     # The patched thresholds are 32 rows: from there Qwen's weights take llama.cpp's batch
     # kernels, whose rows differ from lone ones. The check must say so, or it could not catch
     # a stock wheel.
-    assert check("qwen2.5-0.5b", 40) == [False]
+    assert not check("qwen2.5-0.5b", 40)
 
 
 def test_prompt_chunks_take_the_sdists_kernels_and_decode_steps_the_exact_ones_again() -> None:
@@ -48,8 +53,11 @@ def test_prompt_chunks_take_the_sdists_kernels_and_decode_steps_the_exact_ones_a
     threshold = exact_rows()
     assert threshold is not None, "the installed wheel was built without granary's switch"
     assert threshold.value == 32
-    assert check("qwen2.5-0.5b", 8, times=2) == [False, True]
-    assert threshold.value == 32
+    with loaded("qwen2.5-0.5b", 8) as llama:
+        with prompt_chunk_kernels():
+            assert not batched_rows_equal_lone(llama, 8)
+        assert threshold.value == 32
+        assert batched_rows_equal_lone(llama, 8)
 
 
 def test_with_flash_attention_the_worker_checks_the_padded_window_and_finds_rows_differing() -> (
