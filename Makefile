@@ -40,7 +40,7 @@ soak: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy api worker warmer shared cli
+	$(BIN)/mypy api worker warmer shared cli bench
 
 install: $(STAMP)
 

@@ -8,6 +8,7 @@ cache that let warm runs split where cold runs do not could change greedy output
 from __future__ import annotations
 
 import numpy as np
+from llama_cpp import Llama
 
 from shared.llm import load_llama
 from shared.settings import Settings
@@ -15,8 +16,7 @@ from shared.settings import Settings
 SPLITS: tuple[tuple[int, ...], ...] = ((200,), (201,), (100, 300), (256,), (398,), (1,))
 
 
-def _logits(settings: Settings, tokens: list[int], splits: tuple[int, ...]) -> np.ndarray:
-    llama = _LLAMAS[settings.model]
+def _logits(llama: Llama, tokens: list[int], splits: tuple[int, ...]) -> np.ndarray:
     llama.reset()
     start = 0
     for end in (*splits, len(tokens) - 1):
@@ -26,26 +26,21 @@ def _logits(settings: Settings, tokens: list[int], splits: tuple[int, ...]) -> n
     return np.ctypeslib.as_array(llama._ctx.get_logits(), shape=(llama.n_vocab(),)).copy()
 
 
-_LLAMAS: dict[str, object] = {}
-
-
 def section(models: list[Settings]) -> str:
     rows = []
     text = " ".join(f"Item {i}: a crate of {i * 7 % 13} pears for shop {i % 5}." for i in range(40))
     for settings in models:
         llama = load_llama(settings)
-        _LLAMAS[settings.model] = llama
         tokens = llama.tokenize(text.encode(), add_bos=True, special=True)[:400]
-        whole = _logits(settings, tokens, ())
+        whole = _logits(llama, tokens, ())
         for splits in SPLITS:
-            split = _logits(settings, tokens, splits)
+            split = _logits(llama, tokens, splits)
             diff = float(np.abs(split - whole).max())
             same = int(split.argmax()) == int(whole.argmax())
             rows.append(
                 f"| {settings.model} | {list(splits)} | {diff:.4f} | {'yes' if same else 'NO'} |"
             )
         llama.close()
-        del _LLAMAS[settings.model]
     return HEADER + "\n".join(rows) + "\n"
 
 

@@ -127,7 +127,7 @@ def _peer_server(settings: Settings, log_dir: Path, doc: str) -> Way:
     server = subprocess.Popen(command, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
     try:
         _wait_for(lambda: _get_ok(f"http://127.0.0.1:{port}/v1/models"), "llama_cpp.server", 120)
-        seconds, answers = 0.0, []
+        seconds, answers = 0.0, list[str]()
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=900) as client:
             for question in QUESTIONS:
                 messages = [
