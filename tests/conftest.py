@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,8 +25,10 @@ from tests.redis_process import RedisProcess
 
 # Persistent across runs (git-ignored): assembled models are reused.
 DATA_DIR = REPO / ".data" / "test"
-# Database 0 is left to whatever else uses this Redis.
+# Database 0 is left to whatever else uses this Redis; 1-13 go to tests in turn, 14-15 to
+# stacks a module's tests share, so a test's flush never empties a shared stack's database.
 _databases = itertools.count()
+_module_databases = itertools.count()
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +51,7 @@ def _db_url(base: str, db: int) -> str:
 @pytest.fixture
 def redis_url(redis_base_url: str) -> Iterator[str]:
     """A fresh, empty database for one test."""
-    url = _db_url(redis_base_url, 1 + next(_databases) % 15)
+    url = _db_url(redis_base_url, 1 + next(_databases) % 13)
     client = redis.Redis.from_url(url)
     client.flushdb()
     yield url
@@ -57,47 +61,71 @@ def redis_url(redis_base_url: str) -> Iterator[str]:
 
 @pytest.fixture
 def settings_factory(redis_url: str, tmp_path: Path) -> Callable[..., Settings]:
-    def make(**overrides: object) -> Settings:
-        values: dict[str, object] = {
-            "redis_url": redis_url,
-            "data_dir": DATA_DIR,
-            "n_ctx": 1024,
-            "cache": {"dir": tmp_path / "kv"},
-            "worker": {"heartbeat_ttl_s": 3, "maintenance_interval_s": 1},
-            # Tests repeat requests to see what the worker does with them: answering them from
-            # the result store is tested on its own (test_result_cache.py).
-            "result_cache": {"enabled": False},
-        }
-        for name, value in overrides.items():
-            base = values.get(name)
-            # Nested settings merge, so `cache={...}` keeps the per-test cache directory.
-            values[name] = (
-                {**base, **value} if isinstance(base, dict) and isinstance(value, dict) else value
-            )
-        return Settings(**values)  # type: ignore[arg-type]
+    return partial(_settings, redis_url, tmp_path)
 
-    return make
+
+def _settings(redis_url: str, tmp_path: Path, **overrides: object) -> Settings:
+    values: dict[str, object] = {
+        "redis_url": redis_url,
+        "data_dir": DATA_DIR,
+        "n_ctx": 1024,
+        "cache": {"dir": tmp_path / "kv"},
+        "worker": {"heartbeat_ttl_s": 3, "maintenance_interval_s": 1},
+        # Tests repeat requests to see what the worker does with them: answering them from
+        # the result store is tested on its own (test_result_cache.py).
+        "result_cache": {"enabled": False},
+    }
+    for name, value in overrides.items():
+        base = values.get(name)
+        # Nested settings merge, so `cache={...}` keeps the per-test cache directory.
+        values[name] = (
+            {**base, **value} if isinstance(base, dict) and isinstance(value, dict) else value
+        )
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+@contextmanager
+def _stacks(settings: Callable[..., Settings], log_dir: Path) -> Iterator[Callable[..., Stack]]:
+    """Makes stacks, each started with `workers` workers; stops them all at the end."""
+    stacks: list[Stack] = []
+
+    def make(workers: int = 1, **overrides: object) -> Stack:
+        api = {"port": free_port(), **overrides.pop("api", {})}  # type: ignore[dict-item]
+        stack = Stack(settings(api=api, **overrides), log_dir)
+        stacks.append(stack)
+        stack.start(workers)
+        return stack
+
+    try:
+        yield make
+    finally:
+        for stack in stacks:
+            stack.stop()
 
 
 @pytest.fixture
 def stack_factory(
     settings_factory: Callable[..., Settings], tmp_path: Path
 ) -> Iterator[Callable[..., Stack]]:
-    stacks: list[Stack] = []
+    with _stacks(settings_factory, tmp_path) as make:
+        yield make
 
-    def make(workers: int = 1, **overrides: object) -> Stack:
-        api = {"port": free_port(), **overrides.pop("api", {})}  # type: ignore[dict-item]
-        settings = settings_factory(api=api, **overrides)
-        stack = Stack(settings, tmp_path)
-        stacks.append(stack)
-        stack.start_api()
-        for i in range(workers):
-            stack.start_worker(f"worker-{i + 1}")
-        return stack
 
-    yield make
-    for stack in stacks:
-        stack.stop()
+@pytest.fixture(scope="module")
+def module_stack_factory(
+    redis_base_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., Stack]]:
+    """Stacks that a module's tests share, for tests that only send requests and read what
+    comes back, where a start per test would cost more than the test. The database (14 or
+    15) and the cache directory are the module's: nothing empties them between its tests."""
+    url = _db_url(redis_base_url, 14 + next(_module_databases) % 2)
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    log_dir = tmp_path_factory.mktemp("shared-stack")
+    with _stacks(partial(_settings, url, log_dir), log_dir) as make:
+        yield make
+    client.flushdb()
+    client.close()
 
 
 @pytest.fixture

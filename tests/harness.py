@@ -66,16 +66,37 @@ class Stack:
         self.procs[name] = proc
         return proc
 
+    def start(self, workers: int = 1) -> None:
+        """The API and `workers` workers (named worker-1, worker-2, ...). The API and the first
+        worker start side by side, their imports overlapping on the cores; the others one at
+        a time, as two model loads at once would fight over the same cores."""
+        self._spawn("api", "api")
+        for i in range(workers):
+            self.start_worker(f"worker-{i + 1}")
+        self._wait_for(lambda: _get_ok(f"{self.url}/healthz"), "the API to listen", ["api"])
+
     def start_api(self) -> None:
         self._spawn("api", "api")
-        _wait_for(lambda: _get_ok(f"{self.url}/healthz"), what="the API to listen")
+        self._wait_for(lambda: _get_ok(f"{self.url}/healthz"), "the API to listen", ["api"])
 
     def start_worker(self, name: str = "worker") -> subprocess.Popen[bytes]:
-        proc = self._spawn(name, "worker")
         client = redis.Redis.from_url(self.settings.redis_url)
         before = client.scard("rq:workers")
-        _wait_for(lambda: client.scard("rq:workers") > before, what=f"{name} to register")
+        proc = self._spawn(name, "worker")
+        self._wait_for(lambda: client.scard("rq:workers") > before, f"{name} to register", [name])
         return proc
+
+    def _wait_for(self, check: Callable[[], bool], what: str, names: list[str]) -> None:
+        """Wait for `check`; a process of `names` that exits first fails at once, with its log."""
+
+        def done() -> bool:
+            for name in names:
+                if self.procs[name].poll() is not None:
+                    tail = self.log(name)[-3000:]
+                    raise RuntimeError(f"{name} exited while waiting for {what}:\n{tail}")
+            return check()
+
+        _wait_for(done, what)
 
     def start_warmer(self, *args: str, name: str = "warmer") -> subprocess.Popen[bytes]:
         return self._spawn(name, "warmer", *args)

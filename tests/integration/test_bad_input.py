@@ -15,10 +15,17 @@ import redis
 from tests.harness import Stack
 
 
-@pytest.fixture
-def api(stack_factory: Callable[..., Stack]) -> Stack:
+@pytest.fixture(scope="module")
+def shared_api(module_stack_factory: Callable[..., Stack]) -> Stack:
     # No worker: a bad request must be refused by the API itself.
-    return stack_factory(workers=0, n_ctx=256)
+    return module_stack_factory(workers=0, n_ctx=256)
+
+
+@pytest.fixture
+def api(shared_api: Stack) -> Stack:
+    """The module's API, its database emptied: the API itself keeps nothing in Redis."""
+    redis.Redis.from_url(shared_api.settings.redis_url).flushdb()
+    return shared_api
 
 
 def post(api: Stack, body: Any = None, content: bytes | None = None) -> httpx.Response:
