@@ -64,7 +64,7 @@ def settings_factory(redis_url: str, tmp_path: Path) -> Callable[..., Settings]:
     return partial(_settings, redis_url, tmp_path)
 
 
-def _settings(redis_url: str, tmp_path: Path, **overrides: object) -> Settings:
+def _settings(redis_url: str, tmp_path: Path, /, **overrides: object) -> Settings:
     values: dict[str, object] = {
         "redis_url": redis_url,
         "data_dir": DATA_DIR,
