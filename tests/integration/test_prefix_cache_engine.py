@@ -80,7 +80,13 @@ class Models:
         return work_order_for(self.llama, request, n_ctx=1024, default_max_tokens=max_tokens)
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"])
+# Qwen: its logits move with the shape of the pass a cell was computed in (docs/BENCHMARKS.md,
+# "Why prefill runs in canonical chunks"), so a restore that ends where the cold prefill did not
+# end a chunk shows as different text. Gemma-3: a sliding window, whose states cannot be cut
+# back. SmolLM2, the default model, takes Qwen's path here (full attention) and barely moves
+# with chunk shape: what it would add is its cache under real jobs, which
+# test_prefix_cache_jobs.py runs on it.
+@pytest.fixture(scope="module", params=["qwen2.5-0.5b", "gemma3-270m"])
 def models(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Models]:

@@ -23,7 +23,7 @@ from tests.integration.test_job_path import events, submit, wait_status
 CACHE = {"block_tokens": 64, "min_tokens": 16}
 INSTRUCTIONS = "Answer from the invoice only."
 INVOICE = " ".join(
-    f"Line {i}: {i * 3 % 17} boxes of tea, {i * 7 % 11} EUR each." for i in range(30)
+    f"Line {i}: {i * 3 % 17} boxes of tea, {i * 7 % 11} EUR each." for i in range(14)
 )
 QUESTION = {"instructions": INSTRUCTIONS, "prompt": "What is the total?", "max_tokens": 8}
 
@@ -94,7 +94,7 @@ def test_a_scheduled_run_warms_the_whole_document(
 def test_warm_jobs_step_aside_for_interactive_ones(stack_factory: Callable[..., Stack]) -> None:
     # The one-job engine steps aside; in the Conclave a warm job shares the turns instead.
     stack = stack_factory(cache=CACHE, n_ctx=2048, worker={"max_active_jobs": 1})
-    document = INVOICE * 2  # ~1000 tokens: many chunks of warm prefill
+    document = INVOICE * 2  # ~500 tokens: several 64-token chunks of warm prefill
     run = httpx.post(f"{stack.url}/v1/warm", json={"document": document, **_fields()}).json()
     warm_id = run["jobs"][0]["id"]
     wait_status(stack, warm_id, {"started"})
