@@ -73,10 +73,13 @@ class Stack:
         self._spawn("api", "api")
         for i in range(workers):
             self.start_worker(f"worker-{i + 1}")
-        self._wait_for(lambda: _get_ok(f"{self.url}/healthz"), "the API to listen", ["api"])
+        self._wait_listening()
 
     def start_api(self) -> None:
         self._spawn("api", "api")
+        self._wait_listening()
+
+    def _wait_listening(self) -> None:
         self._wait_for(lambda: _get_ok(f"{self.url}/healthz"), "the API to listen", ["api"])
 
     def start_worker(self, name: str = "worker") -> subprocess.Popen[bytes]:
