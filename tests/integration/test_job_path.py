@@ -20,6 +20,13 @@ from tests.harness import Stack
 COUNTING = {"prompt": "Count: 1, 2, 3, 4, 5, 6, 7, 8,", "temperature": 0}
 
 
+@pytest.fixture(scope="module")
+def stack(module_stack_factory: Callable[..., Stack]) -> Stack:
+    """One stack (one worker) for the module's tests that take `stack`: each follows its own
+    jobs to their end, so the next test finds the worker idle."""
+    return module_stack_factory()
+
+
 def submit(stack: Stack, body: dict[str, Any], **headers: str) -> dict[str, Any]:
     response = httpx.post(f"{stack.url}/v1/jobs", json=body, headers=headers)
     assert response.status_code == 202, response.text
