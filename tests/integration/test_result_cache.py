@@ -24,9 +24,21 @@ DOC = " ".join(f"Invoice {i}: {i * 3 % 17} boxes of tea shipped to Lyon." for i 
 ON = {"result_cache": {"enabled": True}}
 
 
+@pytest.fixture(scope="module")
+def shared_stack(module_stack_factory: Callable[..., Stack]) -> Stack:
+    return module_stack_factory(**ON)
+
+
 @pytest.fixture
-def stack(stack_factory: Callable[..., Stack]) -> Stack:
-    return stack_factory(**ON)
+def stack(shared_stack: Stack) -> Stack:
+    """The module's stack with an empty result store and fresh counters: each test counts
+    what it stores. (Each test follows its jobs to their end.)"""
+    client = redis.Redis.from_url(shared_stack.settings.redis_url)
+    for pattern in ("result:*", "metrics:*"):
+        for key in client.scan_iter(f"{keys.PREFIX}:{pattern}"):
+            client.delete(key)
+    client.delete(keys.result_index())
+    return shared_stack
 
 
 def stored(stack: Stack) -> int:
