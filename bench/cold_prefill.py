@@ -8,22 +8,25 @@ time, round-robin: granary as configured by default (the Conclave, `flash_attn` 
 with `flash_attn = true`, granary with its prefix cache off (no snapshot is captured or
 written while the prompt is read), the same prompt prefilled in this process on a context laid
 out as the Conclave's (256-token chunks, no prompt breaks, no job path, no cache: what the model
-work alone costs), and `llama-server -np 8 -kvu` (`-fa auto`, its default, picks flash attention on a
-CPU). Target (issue 17): granary's cold TTFT at most 1.03 times llama-server's.
+work alone costs), the same again ending its passes where the Conclave does (also at the
+prompt's breaks, then its last token alone: what the chunk ends cost), and
+`llama-server -np 8 -kvu` (`-fa auto`, its default, picks flash attention on a CPU). Target (issue 17): granary's cold TTFT at most 1.03 times llama-server's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import httpx
 import llama_cpp
+from llama_cpp import Llama
 
 from bench.conclave import Reply, document, llama_server, stream_chat
 from shared.llm import render_prompt, tokenize
@@ -31,6 +34,8 @@ from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.harness import Stack, free_port
 from worker.decode_batch import fill_batch, llama_batch
+from worker.engine import prompt_breaks
+from worker.kernels import prompt_chunk_kernels
 from worker.multi_sequence import load_multi_sequence_llama
 
 SIZES = {"~1,200 tokens": 36, "~3,600 tokens": 108}
@@ -38,7 +43,8 @@ TARGET = 1.03
 PEER = "llama-server -np 8 -kvu"
 DEFAULT = "granary (default, flash_attn off)"
 NO_CACHE = "granary, prefix cache off"
-IN_PROCESS = "model work alone (in process, granary's context and chunks)"
+IN_PROCESS = "model work alone (in process, granary's context, 256-token chunks)"
+CONCLAVE_CHUNKS = "model work alone, the Conclave's chunk ends (breaks; the last token alone)"
 
 
 Ask = Callable[[int, int], tuple[float, int]]  # (nonce, lines) -> TTFT s, prompt tokens
@@ -90,8 +96,11 @@ def _over_http(url: str) -> Ask:
 
 
 @contextmanager
-def _in_process(settings: Settings) -> Iterator[Ask]:
-    """The model work alone: the Conclave's context layout and chunks, then the first logits."""
+def _in_process(settings: Settings, conclave_chunks: bool = False) -> Iterator[Ask]:
+    """The model work alone on the Conclave's context layout, then the first logits. Chunks:
+    the 256-token grid, the last one ending with the prompt; or with `conclave_chunks`, the
+    Conclave's own (also ending at the prompt's breaks and before its last token, which is then
+    decoded alone, prompt chunks on llama.cpp's own kernels)."""
     n_seq = settings.worker.max_active_jobs + 4
     llama = load_multi_sequence_llama(settings, n_seq, n_ctx=n_seq * settings.n_ctx, unified=False)
     memory = llama_cpp.llama_get_memory(llama.ctx)
@@ -103,21 +112,34 @@ def _in_process(settings: Settings) -> Iterator[Ask]:
             messages=[{"role": "system", "content": system}, {"role": "user", "content": text}]
         )
         tokens = tokenize(llama, render_prompt(llama, request))
+        ends = _chunk_ends(llama, tokens, block, conclave_chunks)
         llama_cpp.llama_memory_clear(memory, True)
         started = time.perf_counter()
         with llama_batch(block) as batch:
-            for start in range(0, len(tokens), block):
-                piece = tokens[start : start + block]
-                fill_batch(batch, [(t, start + i, 0) for i, t in enumerate(piece)], logits=False)
-                batch.logits[len(piece) - 1] = start + block >= len(tokens)  # the last only
-                if llama_cpp.llama_decode(llama.ctx, batch) != 0:
-                    raise RuntimeError("llama_decode failed")
+            for start, end in itertools.pairwise([0, *ends]):
+                rows = [(tokens[p], p, 0) for p in range(start, end)]
+                fill_batch(batch, rows, logits=False)
+                batch.logits[len(rows) - 1] = end == len(tokens)  # the last only
+                kernels = prompt_chunk_kernels() if end < len(tokens) else nullcontext()
+                with kernels:
+                    if llama_cpp.llama_decode(llama.ctx, batch) != 0:
+                        raise RuntimeError("llama_decode failed")
         return time.perf_counter() - started, len(tokens)
 
     try:
         yield ask
     finally:
         llama.close()
+
+
+def _chunk_ends(llama: Llama, tokens: list[int], block: int, conclave: bool) -> list[int]:
+    """Where each pass of a cold prefill ends (see Conclave._prefill_chunk)."""
+    if not conclave:
+        return [*range(block, len(tokens), block), len(tokens)]
+    last = len(tokens) - 1  # decoded alone, as the first decode step
+    breaks = prompt_breaks(llama, tokens, None, limit=last)
+    grid = range(block, last, block)
+    return sorted({*grid, *breaks, last, len(tokens)})
 
 
 def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int) -> str:
@@ -131,6 +153,7 @@ def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int)
             url = running.enter_context(_granary(settings, log_dir, db, **options))
             systems[name] = _over_http(url)
         systems[IN_PROCESS] = running.enter_context(_in_process(settings))
+        systems[CONCLAVE_CHUNKS] = running.enter_context(_in_process(settings, True))
         if server is not None and server.exists():
             url = running.enter_context(llama_server(server, settings, log_dir))[0]
             systems[PEER] = _over_http(url)
@@ -173,7 +196,7 @@ def _render(
             if peer is not None and name != PEER:
                 value = median / statistics.median(peer)
                 ratio = f"{value:.2f}×"
-                if name != IN_PROCESS:
+                if name.startswith("granary"):
                     verdict = "meets" if value <= TARGET else "MISSES"
             lines.append(
                 f"| {size} | {name} | {tokens[(name, size)]} | {median:.2f} | {over_alone}"
@@ -186,16 +209,18 @@ def _render(
 
 
 def _where_the_time_goes(ttfts: dict[tuple[str, str], list[float]]) -> str:
-    """The default's time over the model work alone, in seconds: the job path and the Conclave
-    (prompt breaks, the last token alone, Redis, SSE), with and without snapshots written."""
+    """The default's time over the model work alone, in seconds: the Conclave's chunk ends
+    (prompt breaks, the last token alone), then the rest (the job path, Redis, SSE, the model
+    thread's turns), with and without snapshots written."""
 
-    def over_alone(name: str, size: str) -> float:
-        alone = statistics.median(ttfts[(IN_PROCESS, size)])
-        return statistics.median(ttfts[(name, size)]) - alone
+    def over(name: str, base: str, size: str) -> float:
+        return statistics.median(ttfts[(name, size)]) - statistics.median(ttfts[(base, size)])
 
     parts = [
-        f"{size}: {over_alone(DEFAULT, size):+.2f} s ({over_alone(NO_CACHE, size):+.2f} s with "
-        "the prefix cache off)"
+        f"{size}: {over(DEFAULT, IN_PROCESS, size):+.2f} s, of which the chunk ends "
+        f"{over(CONCLAVE_CHUNKS, IN_PROCESS, size):+.2f} s and the rest "
+        f"{over(DEFAULT, CONCLAVE_CHUNKS, size):+.2f} s "
+        f"({over(NO_CACHE, CONCLAVE_CHUNKS, size):+.2f} s with the prefix cache off)"
         for size in SIZES
     ]
     return (
