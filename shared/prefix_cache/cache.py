@@ -251,7 +251,7 @@ class PrefixCache:
             if n <= len(tokens) and blob_id == prefix_key(
                 tokens, self._block_tokens, self._fp, n_tokens=n, chain=chain
             ):
-                usable = self.usable(n, n, limit, breaks)
+                usable = self._usable_prefix(name, n, limit, breaks)
                 if usable > 0:
                     ranked.append((usable, name))
             elif self._truncatable:
@@ -284,17 +284,29 @@ class PrefixCache:
         for upper, name in sorted(unknown, reverse=True)[: self._max_probes]:
             if upper <= best_known:
                 break
-            blob_tokens = self._read_tokens(self._fp, name)
-            if blob_tokens is None:
+            head = self._read_head(self._fp, name)
+            if head is None:
                 self._best_effort(
                     self._forget, self._fp, name, None, self._block_tokens, marker_dir + name
                 )
                 continue
+            header, blob_tokens = head
             common = common_prefix_len(blob_tokens, tokens)
-            usable = self.usable(common, len(blob_tokens), len(tokens) - 1, breaks)
+            usable = self.usable(common, len(blob_tokens), len(tokens) - 1, breaks, header.breaks)
             if usable > 0:
                 out.append((usable, name))
         return out
+
+    def _usable_prefix(self, name: str, n: int, limit: int, breaks: frozenset[int]) -> int:
+        """What a prompt may restore of a stored state of its first `n` tokens: from the name
+        alone where the state's breaks cannot matter, else from the breaks its head records
+        (a small read). Ranking by the name alone would pass over every state with a break
+        inside it before the first block boundary (a system prompt's end, say)."""
+        usable = self.usable(n, n, limit, breaks)
+        if usable == self.usable(n, n, limit, breaks, breaks):  # at best its breaks are ours
+            return usable
+        head = self._read_head(self._fp, name)
+        return usable if head is None else self.usable(n, n, limit, breaks, head[0].breaks)
 
     def _read_tokens(self, fp: str, name: str) -> list[int] | None:
         head = self._read_head(fp, name)

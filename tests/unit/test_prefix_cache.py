@@ -317,6 +317,19 @@ def test_a_state_restores_whole_only_for_prompts_with_its_breaks() -> None:
     assert hit is not None and hit.n_tokens == 8
 
 
+def test_a_state_with_a_break_before_the_first_block_boundary_is_found() -> None:
+    """Ranked by name alone, such a state (a system prompt's end before the first boundary,
+    then a document) seemed restorable to no token, and was never read."""
+    cache = make_cache()
+    assert cache.save(P, state_for(P), breaks=(3,))
+    hit = cache.lookup([*P, 7, 8, 9], breaks=(3, 20))
+    assert hit is not None and hit.n_tokens == 20
+    # A prompt parting from it mid-block: found by reading its head, cut back to block 16.
+    hit = cache.lookup([*P[:18], 99, 98, 97], breaks=(3, 18))
+    assert hit is not None and hit.n_tokens == 16
+    assert cache.lookup([*P, 7, 8, 9], breaks=(20,)) is None  # without the break at 3
+
+
 def test_a_longer_state_with_breaks_leaves_a_shorter_one_without() -> None:
     cache = saved(True, P[:16])
     assert cache.save(P, state_for(P), breaks=(12,))
