@@ -129,6 +129,9 @@ class Engine:
         self._min_snapshot_tokens = min_snapshot_tokens
         self.speculator = speculator
         self.truncatable = memory_is_truncatable(llama)
+        # A job's snapshots are cut from one capture after its first token where states can
+        # be cut (`_save_cut`); warm jobs and sliding windows capture as the points are reached.
+        self._cut_snapshots = self.truncatable
         # Memory cells before this position were computed by canonical chunks, with these
         # extra chunk ends.
         self._prefilled = 0
@@ -163,9 +166,13 @@ class Engine:
         prompt = _Prompt(held, breaks, declared=boundary is not None)
         cached, restore_ms = self._load_prefix(cache, prompt, started)
         prefill_started = time.perf_counter()
-        self._prefill(cache, prompt, cached, prompt.limit)
+        deferred = self._cut_snapshots
+        self._prefill(cache, prompt, cached, prompt.limit, save=not deferred)
+        points = self._snapshot_points(prompt, cached, prompt.limit) if deferred else set()
+        saved = _Once(lambda: self._save_cut(cache, prompt, points))
         max_tokens = min(order.max_tokens, self.n_ctx - len(tokens))
-        decoded = self._decode(held, order, max_tokens, on_token, streamed)
+        decoded = self._decode(held, order, max_tokens, on_token, streamed, saved)
+        saved()  # a run that ended before its first token
         return Generation(
             result=JobResult(text=decoded.text, finish_reason=decoded.finish_reason),
             usage=Usage(
@@ -291,12 +298,15 @@ class Engine:
         start: int,
         end: int,
         should_yield: Callable[[], bool] | None = None,
+        save: bool = True,
     ) -> int:
-        """Decode prompt tokens [start, end) in canonical chunks; snapshot for the cache.
+        """Decode prompt tokens [start, end) in canonical chunks; with `save`, snapshot for the
+        cache as the points are reached.
 
         Returns where it stopped: `end`, or an earlier chunk end when `should_yield` said so.
         """
-        snapshots = self._snapshot_points(prompt, start, end) if cache is not None else set()
+        saving = save and cache is not None
+        snapshots = self._snapshot_points(prompt, start, end) if saving else set()
         position = start
         while position < end:
             position = self._eval_chunk(prompt, position, end)
@@ -324,6 +334,17 @@ class Engine:
         inside = tuple(b for b in prompt.breaks if b < end)
         self._saver.snapshot(cache, self.llama, kv_state.SEQ, prompt.tokens[:end], inside)
 
+    def _save_cut(self, cache: PrefixCache | None, prompt: _Prompt, points: set[int]) -> None:
+        """Capture memory once and have the saver cut each point's state from it (after the
+        first token: see worker/conclave/loop.py `_save_snapshots`)."""
+        points = {p for p in points if p >= self._min_snapshot_tokens}
+        if cache is None or self._saver is None or not points:
+            return
+        cuts = [(prompt.tokens[:p], tuple(b for b in prompt.breaks if b < p)) for p in points]
+        if not self._saver.snapshots(cache, self.llama, kv_state.SEQ, cuts):
+            log.warning("this model's states cannot be cut: snapshots are captured as reached")
+            self._cut_snapshots = False
+
     def _snapshot_points(self, prompt: _Prompt, start: int, end: int) -> set[int]:
         if self._saver is None:
             return set()
@@ -344,9 +365,11 @@ class Engine:
         max_tokens: int,
         on_token: OnToken,
         streamed: Sequence[int],
+        after_first: Callable[[], None],
     ) -> Decoded:
         """Sample after `prompt` (memory holds all of it but the last token), whose tail is
-        `streamed`: already published, so only fed to the text stream."""
+        `streamed`: already published, so only fed to the text stream. `after_first` runs once
+        the first new token is out."""
         llama = self.llama
         llama.set_seed(order.seed)
         stream = text_stream(llama, order.stop, streamed)
@@ -359,14 +382,26 @@ class Engine:
                 prompt[-1:], temp=order.temperature, top_p=order.top_p, reset=False
             )
             try:
-                return consume(llama, tokens, stream, decoded, max_tokens, on_token)
+                return consume(llama, tokens, stream, decoded, max_tokens, on_token, after_first)
             finally:
                 tokens.close()
         left = max_tokens - decoded.count
         with self.speculator.decode(llama, prompt, order, left) as run:
-            decoded = consume(llama, iter(run), stream, decoded, max_tokens, on_token)
+            decoded = consume(llama, iter(run), stream, decoded, max_tokens, on_token, after_first)
         decoded.speculation = run.report()
         return decoded
+
+
+class _Once:
+    """`action` the first time it is called, then nothing."""
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        self._action: Callable[[], None] | None = action
+
+    def __call__(self) -> None:
+        action, self._action = self._action, None
+        if action is not None:
+            action()
 
 
 class WarmTarget(NamedTuple):
@@ -407,12 +442,15 @@ def consume(
     decoded: Decoded,
     max_tokens: int,
     on_token: OnToken,
+    after_first: Callable[[], None] = lambda: None,
 ) -> Decoded:
-    """Turn sampled tokens into text pieces for `on_token` until a stop, the end or a cancel."""
+    """Turn sampled tokens into text pieces for `on_token` until a stop, the end or a cancel;
+    `after_first` runs after the first token's."""
     sink = TextSink(llama, stream, decoded, max_tokens, on_token)
     for token in tokens:
         if sink.push(token):
             break
+        after_first()
     return end_text(stream, decoded, on_token)
 
 

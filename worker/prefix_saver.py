@@ -3,7 +3,8 @@
 A job hands over its snapshot and goes on decoding; the first token never waits for disk. The
 queue is bounded: when the disk is slower than the jobs, snapshots are dropped (and counted),
 never the jobs slowed. For the same reason a snapshot is copied out of llama.cpp once, into a
-buffer an earlier one used.
+buffer an earlier one used. A prefill that passes several snapshot points can capture once,
+after its first token (`snapshots`): each point's state is cut from that capture here.
 
 The thread keeps the process's CPU priority. At nice 19 it never took a core from llama.cpp's
 threads, but under steady load it starved: the storage bench's back-to-back documents had
@@ -20,14 +21,18 @@ import numpy as np
 import numpy.typing as npt
 from llama_cpp import Llama
 
-from shared.prefix_cache import PrefixCache
+from shared.prefix_cache import PrefixCache, StateLayout, first_cells, parse_state
 from worker import kv_state
 
 log = logging.getLogger(__name__)
 
 _STOP = None
 Buffer = npt.NDArray[np.uint8]
-_Snapshot = tuple[PrefixCache, list[int], memoryview, tuple[int, ...], Buffer]
+# A state's tokens and the breaks inside them: what `PrefixCache.save` stores it under.
+Cut = tuple[list[int], tuple[int, ...]]
+# The cache, the cuts to save, the captured state (parsed when the cuts are shorter than it),
+# and the buffer holding it.
+_Snapshot = tuple[PrefixCache, list[Cut], memoryview, StateLayout | None, Buffer]
 # Buffers kept for the next captures: a fresh one of tens of MB costs its page faults on the
 # model thread, a kept one only the copy (for a 37 MB Qwen state 9.9 ms against 4.5 ms:
 # docs/BENCHMARKS.md, "where a restore's time goes"). One: snapshots are mostly written one at
@@ -54,13 +59,39 @@ class PrefixSaver:
     ) -> None:
         """Capture sequence `seq`'s state (covering `tokens`) now, write it later. `breaks`:
         where the prefill ended chunks inside `tokens` besides the block grid."""
-        if self._pending.full():  # not even captured: the copy would be thrown away
-            self.dropped += 1
-            log.warning("prefix cache writes are behind; dropped a %d-token snapshot", len(tokens))
+        if self._behind(len(tokens)):
             return
+        state, buffer = self._capture(llama, seq)
+        self._pending.put_nowait((cache, [(tokens, breaks)], state, None, buffer))
+
+    def snapshots(self, cache: PrefixCache, llama: Llama, seq: int, cuts: list[Cut]) -> bool:
+        """Capture sequence `seq` once now, and write later, for each cut, the state of its
+        first len(tokens) cells (shortest first: a longer one may then store only its own
+        cells). The sequence may hold more cells than the longest cut. False when its state
+        cannot be cut (a layout shared/prefix_cache/state_layout.py does not know): nothing
+        is written."""
+        if self._behind(max(len(tokens) for tokens, _ in cuts)):
+            return True
+        state, buffer = self._capture(llama, seq)
+        layout = parse_state(state)
+        if layout is None:
+            self._keep(buffer)
+            return False
+        cuts = sorted(cuts, key=lambda cut: len(cut[0]))
+        self._pending.put_nowait((cache, cuts, state, layout, buffer))
+        return True
+
+    def _behind(self, tokens: int) -> bool:
+        if not self._pending.full():
+            return False
+        # Not even captured: the copy would be thrown away.
+        self.dropped += 1
+        log.warning("prefix cache writes are behind; dropped a %d-token snapshot", tokens)
+        return True
+
+    def _capture(self, llama: Llama, seq: int) -> tuple[memoryview, Buffer]:
         buffer = self._spare.get_nowait() if not self._spare.empty() else None
-        state, buffer = kv_state.capture(llama, seq, buffer)
-        self._pending.put_nowait((cache, tokens, state, breaks, buffer))
+        return kv_state.capture(llama, seq, buffer)
 
     def flush(self) -> None:
         """Wait until every submitted snapshot is written (tests, shutdown)."""
@@ -72,14 +103,35 @@ class PrefixSaver:
 
     def _run(self) -> None:
         while (item := self._pending.get()) is not _STOP:
-            cache, tokens, state, breaks, buffer = item
+            cache, cuts, state, layout, buffer = item
             try:
-                cache.save(tokens, state, breaks)
+                for tokens, breaks in cuts:
+                    self._save(cache, tokens, breaks, state, layout)
             except Exception:  # the cache must never take the worker down
                 log.exception("saving a prefix snapshot failed")
             finally:
-                del state
-                if self._spare.qsize() < KEPT_BUFFERS:
-                    self._spare.put(buffer)
+                del state, layout
+                self._keep(buffer)
                 self._pending.task_done()
         self._pending.task_done()
+
+    def _keep(self, buffer: Buffer) -> None:
+        if self._spare.qsize() < KEPT_BUFFERS:
+            self._spare.put(buffer)
+
+    @staticmethod
+    def _save(
+        cache: PrefixCache,
+        tokens: list[int],
+        breaks: tuple[int, ...],
+        state: memoryview,
+        layout: StateLayout | None,
+    ) -> None:
+        if layout is None or layout.n_cells == len(tokens):
+            cache.save(tokens, state, breaks)
+            return
+        cut = first_cells(layout, len(tokens))
+        if cut is None:  # its cells are not the prompt's positions in order: nothing to save
+            log.warning("a %d-token snapshot could not be cut from its sequence", len(tokens))
+            return
+        cache.save(tokens, cut.data, breaks)

@@ -21,16 +21,22 @@ from shared.prefix_cache.cache import (
 from shared.prefix_cache.counters import CounterPublisher, cache_report, read_counters
 from shared.prefix_cache.fingerprint import configured_fingerprint
 from shared.prefix_cache.keys import common_prefix_len
+from shared.prefix_cache.state_layout import Layout as StateLayout
+from shared.prefix_cache.state_layout import first_cells
+from shared.prefix_cache.state_layout import parse as parse_state
 
 __all__ = [
     "COUNTER_NAMES",
     "CacheHit",
     "CounterPublisher",
     "PrefixCache",
+    "StateLayout",
     "cache_report",
     "common_prefix_len",
     "configured_fingerprint",
+    "first_cells",
     "open_cache",
+    "parse_state",
     "read_counters",
     "restorable_tokens",
 ]

@@ -220,6 +220,19 @@ def compose(top: Layout, segments: list[Segment]) -> Bytes:
     return out
 
 
+def first_cells(layout: Layout, n_cells: int) -> Bytes | None:
+    """The state of `layout`'s first `n_cells` cells, byte for byte what a capture holding only
+    them gives (cells stay where computing more of the sequence put none before them); None
+    unless those cells hold positions 0 to n_cells - 1 in order."""
+    if not 0 < n_cells <= layout.n_cells:
+        return None
+    meta = next(p for p in layout.pieces if isinstance(p, Cells))
+    positions = layout.cells(meta)[0, :n_cells, :4].copy().view("<i4").ravel()
+    if not np.array_equal(positions, np.arange(n_cells)):
+        return None
+    return compose(layout, [(layout, 0, n_cells)])
+
+
 def leading_equal(layout: Layout, segments: list[Segment], limit: int) -> int:
     """How many of `layout`'s first cells (at most `limit`) equal the segments' cells in order:
     every byte a restore reads, in every block."""

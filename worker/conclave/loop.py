@@ -125,6 +125,9 @@ class Conclave:
         self._block_tokens = block_tokens
         self._min_snapshot_tokens = min_snapshot_tokens
         self._truncatable = truncatable
+        # Snapshots are cut from one capture after the first token (`_save_snapshots`), where
+        # the state can be cut: plain attention (a sliding window's cells are not the prompt's).
+        self._cut_snapshots = truncatable
         self._exact = exact
         self.rows_invariant = False
         mem = llama_cpp.llama_get_memory(llama.ctx)
@@ -362,7 +365,8 @@ class Conclave:
         stream.resident.prefilled = stream.pos = chunk_end
         stream.resident.breaks = tuple(b for b in request.breaks if b <= chunk_end)
         stream.resident.label(request.document)
-        if chunk_end in stream.snapshots:
+        if chunk_end in stream.snapshots and not self._cut_snapshots:
+            stream.snapshots.discard(chunk_end)
             cache = self._cache_for(request.namespace)
             if cache is not None and self._saver is not None:
                 inside = tuple(b for b in request.breaks if b < chunk_end)
@@ -371,12 +375,32 @@ class Conclave:
                 )
         self._prefilled_to(stream)
 
+    def _save_snapshots(self, stream: _Stream) -> None:
+        """Capture once the states at the snapshot points `stream` has passed, each to be cut
+        from that capture by the saver. Called after the stream's first token (a capture and
+        the saver's writes would otherwise come before it: a snapshot point is mostly the
+        prompt's end or a few tokens before it), when it ends, or when its prefill ends with
+        no token to decode."""
+        if not stream.snapshots:  # every step of every stream comes here
+            return
+        points = sorted(p for p in stream.snapshots if p <= stream.pos)
+        stream.snapshots.difference_update(points)
+        request = stream.request
+        cache = self._cache_for(request.namespace)
+        if not points or cache is None or self._saver is None:
+            return
+        cuts = [(request.tokens[:p], tuple(b for b in request.breaks if b < p)) for p in points]
+        if not self._saver.snapshots(cache, self.llama, stream.seq, cuts):
+            log.warning("this model's states cannot be cut: snapshots are captured as reached")
+            self._cut_snapshots = False
+
     def _prefilled_to(self, stream: _Stream) -> None:
         """Move a stream on once its prefill is done."""
         request = stream.request
         if stream.pos < request.prefill_end:
             return
         if request.max_new == 0:
+            self._save_snapshots(stream)  # before the end: a warm job's flush waits for them
             stream.handle.put(Ended("prefilled", stream.pos))
             if request.hold:
                 stream.state = _State.HOLDING
@@ -481,11 +505,14 @@ class Conclave:
         stream.generated += 1
         stream.next_token = token
         stream.handle.token(Token(token, time.perf_counter()))
+        self._save_snapshots(stream)
         if stream.generated >= stream.request.max_new:
             self._end(stream, "length")
 
     def _end(self, stream: _Stream, reason: EndReason | None) -> None:
         """Finish a stream; its sequence stays resident for reuse. `None`: already said."""
+        if stream.resident is not None:
+            self._save_snapshots(stream)
         if reason is not None:
             stream.handle.put(Ended(reason, stream.pos, stream.replays, stream.drifted))
         if stream.resident is not None:
