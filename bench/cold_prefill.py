@@ -96,38 +96,42 @@ def _over_http(url: str) -> Ask:
 
 
 @contextmanager
-def _in_process(settings: Settings, conclave_chunks: bool = False) -> Iterator[Ask]:
-    """The model work alone on the Conclave's context layout, then the first logits. Chunks:
-    the 256-token grid, the last one ending with the prompt; or with `conclave_chunks`, the
-    Conclave's own (also ending at the prompt's breaks and before its last token, which is then
-    decoded alone, prompt chunks on llama.cpp's own kernels)."""
+def _in_process(settings: Settings) -> Iterator[Callable[[bool], Ask]]:
+    """The model work alone on the Conclave's context layout, then the first logits: one
+    context, asked two ways (each ask clears its memory first). Chunks: the 256-token grid,
+    the last one ending with the prompt; or with `conclave_chunks`, the Conclave's own (also
+    ending at the prompt's breaks and before its last token, which is then decoded alone,
+    prompt chunks on llama.cpp's own kernels)."""
     n_seq = settings.worker.max_active_jobs + 4
     llama = load_multi_sequence_llama(settings, n_seq, n_ctx=n_seq * settings.n_ctx, unified=False)
     memory = llama_cpp.llama_get_memory(llama.ctx)
     block = settings.cache.block_tokens
 
-    def ask(nonce: int, lines: int) -> tuple[float, int]:
-        system, text = _messages(nonce, lines)
-        request = JobRequest(
-            messages=[{"role": "system", "content": system}, {"role": "user", "content": text}]
-        )
-        tokens = tokenize(llama, render_prompt(llama, request))
-        ends = _chunk_ends(llama, tokens, block, conclave_chunks)
-        llama_cpp.llama_memory_clear(memory, True)
-        started = time.perf_counter()
-        with llama_batch(block) as batch:
-            for start, end in itertools.pairwise([0, *ends]):
-                rows = [(tokens[p], p, 0) for p in range(start, end)]
-                fill_batch(batch, rows, logits=False)
-                batch.logits[len(rows) - 1] = end == len(tokens)  # the last only
-                kernels = prompt_chunk_kernels() if end < len(tokens) else nullcontext()
-                with kernels:
-                    if llama_cpp.llama_decode(llama.ctx, batch) != 0:
-                        raise RuntimeError("llama_decode failed")
-        return time.perf_counter() - started, len(tokens)
+    def asker(conclave_chunks: bool) -> Ask:
+        def ask(nonce: int, lines: int) -> tuple[float, int]:
+            system, text = _messages(nonce, lines)
+            request = JobRequest(
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": text}]
+            )
+            tokens = tokenize(llama, render_prompt(llama, request))
+            ends = _chunk_ends(llama, tokens, block, conclave_chunks)
+            llama_cpp.llama_memory_clear(memory, True)
+            started = time.perf_counter()
+            with llama_batch(block) as batch:
+                for start, end in itertools.pairwise([0, *ends]):
+                    rows = [(tokens[p], p, 0) for p in range(start, end)]
+                    fill_batch(batch, rows, logits=False)
+                    batch.logits[len(rows) - 1] = end == len(tokens)  # the last only
+                    kernels = prompt_chunk_kernels() if end < len(tokens) else nullcontext()
+                    with kernels:
+                        if llama_cpp.llama_decode(llama.ctx, batch) != 0:
+                            raise RuntimeError("llama_decode failed")
+            return time.perf_counter() - started, len(tokens)
+
+        return ask
 
     try:
-        yield ask
+        yield asker
     finally:
         llama.close()
 
@@ -152,8 +156,9 @@ def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int)
         ):
             url = running.enter_context(_granary(settings, log_dir, db, **options))
             systems[name] = _over_http(url)
-        systems[IN_PROCESS] = running.enter_context(_in_process(settings))
-        systems[CONCLAVE_CHUNKS] = running.enter_context(_in_process(settings, True))
+        in_process = running.enter_context(_in_process(settings))
+        systems[IN_PROCESS] = in_process(False)
+        systems[CONCLAVE_CHUNKS] = in_process(True)
         if server is not None and server.exists():
             url = running.enter_context(llama_server(server, settings, log_dir))[0]
             systems[PEER] = _over_http(url)
