@@ -340,9 +340,8 @@ class Engine:
         points = {p for p in points if p >= self._min_snapshot_tokens}
         if cache is None or self._saver is None or not points:
             return
-        cuts = [(prompt.tokens[:p], tuple(b for b in prompt.breaks if b < p)) for p in points]
-        if not self._saver.snapshots(cache, self.llama, kv_state.SEQ, cuts):
-            log.warning("this model's states cannot be cut: snapshots are captured as reached")
+        held = (prompt.tokens, prompt.breaks)
+        if not self._saver.snapshots(cache, self.llama, kv_state.SEQ, held, points):
             self._cut_snapshots = False
 
     def _snapshot_points(self, prompt: _Prompt, start: int, end: int) -> set[int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Iterable
 
 import numpy as np
 import numpy.typing as npt
@@ -64,20 +65,29 @@ class PrefixSaver:
         state, buffer = self._capture(llama, seq)
         self._pending.put_nowait((cache, [(tokens, breaks)], state, None, buffer))
 
-    def snapshots(self, cache: PrefixCache, llama: Llama, seq: int, cuts: list[Cut]) -> bool:
-        """Capture sequence `seq` once now, and write later, for each cut, the state of its
-        first len(tokens) cells (shortest first: a longer one may then store only its own
-        cells). The sequence may hold more cells than the longest cut. False when its state
+    def snapshots(
+        self,
+        cache: PrefixCache,
+        llama: Llama,
+        seq: int,
+        prompt: tuple[list[int], tuple[int, ...]],
+        points: Iterable[int],
+    ) -> bool:
+        """Capture sequence `seq`, which holds `prompt` (its tokens and breaks) and may hold
+        more, once now; write later the state of its first `point` cells for each point,
+        shortest first (a longer one may then store only its own cells). False when its state
         cannot be cut (a layout shared/prefix_cache/state_layout.py does not know): nothing
-        is written."""
-        if self._behind(max(len(tokens) for tokens, _ in cuts)):
+        is written, and the caller should capture at each point as it is reached."""
+        tokens, breaks = prompt
+        cuts = [(tokens[:p], tuple(b for b in breaks if b < p)) for p in sorted(points)]
+        if not cuts or self._behind(len(cuts[-1][0])):
             return True
         state, buffer = self._capture(llama, seq)
         layout = parse_state(state)
         if layout is None:
             self._keep(buffer)
+            log.warning("this model's states cannot be cut: snapshots are captured as reached")
             return False
-        cuts = sorted(cuts, key=lambda cut: len(cut[0]))
         self._pending.put_nowait((cache, cuts, state, layout, buffer))
         return True
 

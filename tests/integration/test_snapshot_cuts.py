@@ -8,7 +8,7 @@ gives cold output; and it must not cost the first token anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import llama_cpp
@@ -28,7 +28,7 @@ from worker.decode_batch import fill_batch, llama_batch
 from worker.engine import Engine, prompt_breaks, snapshot_points
 from worker.main import warm_up
 from worker.multi_sequence import load_multi_sequence_llama
-from worker.prefix_saver import Cut, PrefixSaver
+from worker.prefix_saver import PrefixSaver
 
 N_CTX = 2048
 N_SEQ = 3
@@ -96,9 +96,16 @@ class RecordingSaver(PrefixSaver):
         super().__init__()
         self.seen = seen
 
-    def snapshots(self, cache: PrefixCache, llama: Llama, seq: int, cuts: list[Cut]) -> bool:
+    def snapshots(
+        self,
+        cache: PrefixCache,
+        llama: Llama,
+        seq: int,
+        prompt: tuple[list[int], tuple[int, ...]],
+        points: Iterable[int],
+    ) -> bool:
         self.seen.append("capture")
-        return super().snapshots(cache, llama, seq, cuts)
+        return super().snapshots(cache, llama, seq, prompt, points)
 
 
 @pytest.fixture

@@ -383,15 +383,14 @@ class Conclave:
         no token to decode."""
         if not stream.snapshots:  # every step of every stream comes here
             return
-        points = sorted(p for p in stream.snapshots if p <= stream.pos)
+        points = [p for p in stream.snapshots if p <= stream.pos]
         stream.snapshots.difference_update(points)
         request = stream.request
         cache = self._cache_for(request.namespace)
         if not points or cache is None or self._saver is None:
             return
-        cuts = [(request.tokens[:p], tuple(b for b in request.breaks if b < p)) for p in points]
-        if not self._saver.snapshots(cache, self.llama, stream.seq, cuts):
-            log.warning("this model's states cannot be cut: snapshots are captured as reached")
+        prompt = (request.tokens, request.breaks)
+        if not self._saver.snapshots(cache, self.llama, stream.seq, prompt, points):
             self._cut_snapshots = False
 
     def _prefilled_to(self, stream: _Stream) -> None:
