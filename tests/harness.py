@@ -84,9 +84,13 @@ class Stack:
 
     def start_worker(self, name: str = "worker") -> subprocess.Popen[bytes]:
         client = redis.Redis.from_url(self.settings.redis_url)
-        before = client.scard("rq:workers")
+        # A new member, not a larger count: starting, the worker may clean a killed worker's
+        # expired registration out of the set, and the count then stays where it was.
+        before = client.smembers("rq:workers")
         proc = self._spawn(name, "worker")
-        self._wait_for(lambda: client.scard("rq:workers") > before, f"{name} to register", [name])
+        self._wait_for(
+            lambda: bool(client.smembers("rq:workers") - before), f"{name} to register", [name]
+        )
         return proc
 
     def _wait_for(self, check: Callable[[], bool], what: str, names: list[str]) -> None:
