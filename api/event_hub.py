@@ -1,14 +1,19 @@
 """One Redis pub/sub connection per API process, fanned out to every live listener.
 
-SSE clients of the same job share one subscription; a channel is subscribed while at least
-one client listens and dropped when the last one leaves. Clients arriving together share one
-read of the job's backlog too: a thousand clients reconnecting at once cost a few reads, not a
-thousand (parsing them was most of the API's CPU in `make soak`).
+The hub subscribes once, to the pattern of every job's channel, and hands each message to the
+listeners of its job (a message nobody listens to costs a dictionary lookup). Listeners never
+use the pub/sub connection themselves: one task owns it, so no subscribe of a new listener can
+race the reader's reconnect (a handshake read by two coroutines at once cut a stream in CI).
+Clients arriving together share one read of the job's backlog too: a thousand clients
+reconnecting at once cost a few reads, not a thousand (parsing them was most of the API's CPU
+in `make soak`).
 
-What is published while that connection is broken never reaches it, so when it breaks (or
-redis-py reconnects it behind the scenes) every listener is told: its `job_events` raises
-`redis.ConnectionError`, its client resumes from the job's stream with `Last-Event-ID`, and
-the hub reconnects by itself with backoff, logging the outage once per interval.
+What is published while that connection is broken never reaches it. So when it breaks, and
+again once redis-py has reconnected and subscribed again, every listener is told, and reads its
+job's backlog again from where it was: a blip costs a client nothing. If Redis is down, that
+read raises `redis.ConnectionError`, the client's stream ends with an error event, and it
+resumes with `Last-Event-ID`; the hub reconnects by itself with backoff, logging the outage
+once per interval.
 """
 
 from __future__ import annotations
@@ -17,10 +22,9 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import redis
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 
@@ -31,8 +35,10 @@ from shared.redis_outage import REDIS_DOWN, Backoff, describe
 
 log = logging.getLogger(__name__)
 
-# A listener's live events, batch by batch; None when the live feed broke.
+# A listener's live events, batch by batch; None when the live feed broke or came back.
 Feed = asyncio.Queue[list[JobEvent] | None]
+# Every job's channel (keys.job_channel); job ids hold no pattern characters.
+JOB_CHANNELS = keys.job_channel("*")
 
 
 class EventHub:
@@ -40,15 +46,12 @@ class EventHub:
         self._redis = redis
         self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
         self._listeners: dict[str, set[Feed]] = defaultdict(set)
-        # Per channel: done once SUBSCRIBE is sent; every listener of the channel waits for it.
-        self._subscriptions: dict[str, asyncio.Future[None]] = {}
         # Backlog reads take turns rather than a pool connection each at once: hundreds of
         # clients reconnecting together would otherwise wait out the pool's timeout.
         self._backlog_turns = asyncio.Semaphore(backlog_reads)
         # Per job: the read waiting for its turn, which listeners arriving meanwhile share.
         self._waiting_reads: dict[str, asyncio.Future[list[JobEvent]]] = {}
-        self._hub_subscribed = False
-        self._unsubscribe_later: set[str] = set()
+        self._subscribed = False
         self._outage = RateLimitedLog(log)
         self._reader: asyncio.Task[None] | None = None
 
@@ -65,34 +68,26 @@ class EventHub:
         with contextlib.suppress(*REDIS_DOWN):
             await self._pubsub.aclose()
 
-    @contextlib.asynccontextmanager
-    async def listen(self, channel: str) -> AsyncIterator[Feed]:
+    @contextlib.contextmanager
+    def _listen(self, channel: str) -> Iterator[Feed]:
         """A queue receiving the events of each message published on `channel`."""
         feed: Feed = asyncio.Queue()
         self._listeners[channel].add(feed)
         try:
-            subscribed = self._subscriptions.get(channel)
-            if subscribed is None:
-                subscribed = asyncio.ensure_future(self._subscribe(channel))
-                self._subscriptions[channel] = subscribed
-            await asyncio.shield(subscribed)
             yield feed
         finally:
             listeners = self._listeners[channel]
             listeners.discard(feed)
             if not listeners:
                 del self._listeners[channel]
-                del self._subscriptions[channel]
-                await self._unsubscribe(channel)
 
     async def job_events(self, job_id: str, after: int = -1) -> AsyncIterator[list[JobEvent]]:
         """A job's events past `after`, in batches, each once, up to and including the final one.
 
-        The stored backlog comes first, then live ones. Subscribing before reading the backlog
+        The stored backlog comes first, then live ones. Listening before reading the backlog
         means no event can fall between the two; duplicates are dropped by sequence number.
         """
-        async with self.listen(keys.job_channel(job_id)) as live:
-            _forget_breaks(live)
+        with self._listen(keys.job_channel(job_id)) as live:
             batch = await self._backlog(job_id)
             while True:
                 fresh = [e for e in batch if e.seq > after or e.final]
@@ -104,13 +99,12 @@ class EventHub:
                     yield fresh
                     after = fresh[-1].seq
                 received = await live.get()
-                if received is None:
-                    raise redis.ConnectionError("the live event feed (Redis) was interrupted")
-                batch = received
+                # The feed broke (or came back): what it missed is in the backlog.
+                batch = await self._backlog(job_id) if received is None else received
 
     async def _backlog(self, job_id: str) -> list[JobEvent]:
-        """The job's stored events, read after the caller subscribed: callers arriving while a
-        read waits for its turn share it, since it is sent after all of them subscribed."""
+        """The job's stored events, read after the caller began listening: callers arriving
+        while a read waits for its turn share it, since it is sent after all of them listen."""
         read = self._waiting_reads.get(job_id)
         if read is None:
             read = asyncio.ensure_future(self._read_backlog(job_id))
@@ -121,7 +115,7 @@ class EventHub:
         this = asyncio.current_task()
         try:
             async with self._backlog_turns:
-                # Sent from here on: who subscribes now may be too late for it, and reads anew.
+                # Sent from here on: who listens from now on may be too late for it, and reads anew.
                 if self._waiting_reads.get(job_id) is this:
                     del self._waiting_reads[job_id]
                 entries = await self._redis.xrange(keys.job_events(job_id)) or []
@@ -130,20 +124,8 @@ class EventHub:
                 del self._waiting_reads[job_id]
         return [JobEvent.from_fields(fields or {}) for _, fields in entries]
 
-    async def _subscribe(self, channel: str) -> None:
-        await self._pubsub.subscribe(channel)
-        # Runs on each reconnect of the pub/sub connection (the first connect is over by now).
-        assert self._pubsub.connection is not None
-        self._pubsub.connection.register_connect_callback(self._reconnected)
-
-    async def _unsubscribe(self, channel: str) -> None:
-        try:
-            await self._pubsub.unsubscribe(channel)
-        except REDIS_DOWN:
-            # redis-py re-subscribes it on reconnect; the reader drops it then.
-            self._unsubscribe_later.add(channel)
-
     def _reconnected(self, _connection: AbstractConnection) -> None:
+        # redis-py calls this after its own callback has subscribed again.
         self._interrupt_all()
 
     def _interrupt_all(self) -> None:
@@ -168,39 +150,23 @@ class EventHub:
                 continue
             backoff.reset()
             self._outage.recovered("event feed reconnected")
-            if message is not None and message["type"] == "message":
+            if message is not None and message["type"] == "pmessage":
                 self._dispatch(message)
 
     async def _next_message(self) -> dict[str, Any] | None:
-        if not self._hub_subscribed:
-            await self._subscribe(keys.api_hub())
-            self._hub_subscribed = True
-        stale = [c for c in self._unsubscribe_later if c not in self._listeners]
-        if stale:
-            await self._pubsub.unsubscribe(*stale)
-            self._unsubscribe_later.difference_update(stale)
+        if not self._subscribed:
+            await self._pubsub.psubscribe(JOB_CHANNELS)
+            assert self._pubsub.connection is not None
+            self._pubsub.connection.register_connect_callback(self._reconnected)
+            self._subscribed = True
+            self._interrupt_all()  # listeners that came first read their backlog again
         message: dict[str, Any] | None = await self._pubsub.get_message(timeout=1.0)
         return message
 
     def _dispatch(self, message: dict[str, Any]) -> None:
-        channel = message["channel"].decode()
+        feeds = self._listeners.get(message["channel"].decode())
+        if not feeds:
+            return
         events = JobEvent.from_message(message["data"])
-        for feed in self._listeners.get(channel, ()):
+        for feed in feeds:
             feed.put_nowait(events)
-
-
-def _forget_breaks(feed: Feed) -> None:
-    """Drop the breaks signalled before a listener reads its backlog: they cost it nothing.
-
-    A reconnect signals after redis-py has re-subscribed (its callback runs first), and the
-    backlog holds whatever was published before. A break not yet reconnected is signalled
-    again by that reconnect, after the read, so it still ends the stream. Without this, a
-    client resuming right after an outage would be told of the break its own subscribe healed.
-    """
-    kept = []
-    while not feed.empty():
-        item = feed.get_nowait()
-        if item is not None:
-            kept.append(item)
-    for item in kept:
-        feed.put_nowait(item)

@@ -19,14 +19,9 @@ def job_events(job_id: str) -> str:
 
 
 def job_channel(job_id: str) -> str:
-    """Pub/sub channel carrying the same events live."""
+    """Pub/sub channel carrying the same events live (the API listens to all of them with one
+    pattern subscription: `job_channel("*")`)."""
     return f"{PREFIX}:job:{job_id}:live"
-
-
-def api_hub() -> str:
-    """Channel each API process's event hub subscribes to for its whole life, so its pub/sub
-    connection exists before any listener does (nothing is published on it)."""
-    return f"{PREFIX}:api:hub"
 
 
 def job_cancel(job_id: str) -> str:

@@ -174,7 +174,9 @@ def test_streams_whose_redis_goes_away_end_with_an_error_and_resume(
     assert last_id is not None
     url = f"{stack.url}/v1/jobs/{job_id}/events"
     resumed = asyncio.run(resume(url, last_id))
-    assert resumed.cut is None and resumed.last == "done", resumed.events[-3:]
+    # The API's log says why, should a stream be cut (CI saw one once, cut with no event).
+    assert resumed.cut is None, (resumed.cut, stack.log("api")[-3000:])
+    assert resumed.last == "done", resumed.events[-3:]
     final = httpx.get(f"{stack.url}/v1/jobs/{job_id}").json()
     assert final["status"] == "finished"
     tokens = heard.token_indices + resumed.token_indices
