@@ -36,7 +36,7 @@ from shared.prefix_cache.deltas import (
 )
 from shared.prefix_cache.deltas import plan as plan_delta
 from shared.prefix_cache.eviction import HOT_HITS, Stored, eviction_order, fingerprints, scan
-from shared.prefix_cache.fingerprint import configured_fingerprint
+from shared.prefix_cache.fingerprint import cache_fingerprint
 from shared.prefix_cache.format import (
     FINGERPRINT,
     HEADER,
@@ -691,7 +691,7 @@ def open_cache(settings: Settings, *, truncatable: bool = True) -> PrefixCache:
     """
     return PrefixCache(
         DirectoryBlobStore(settings.cache_dir),
-        configured_fingerprint(settings),
+        cache_fingerprint(settings),
         block_tokens=settings.cache.block_tokens,
         max_bytes=settings.cache.max_bytes,
         truncatable=truncatable,

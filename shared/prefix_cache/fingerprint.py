@@ -2,9 +2,13 @@
 
 The state of a prompt depends on the weights, the KV cache's data type, the attention kernel
 (flash attention rounds otherwise and lays V out untransposed), the kernels its chunks take and
-the state format of the llama.cpp build, so all five go into the fingerprint; a different model
-or build reads none of another's blobs. Hashing a GGUF takes ~1 s per 500 MB, so the content
-digest is kept in a sidecar file keyed by path, size and modification time.
+the state format of the llama.cpp build, so all five go into the model's fingerprint (also the
+result store's identity: what decides a request's output). The cache's namespace adds the CPU
+features the llama.cpp backend was built for: `make install` builds it natively, and a host
+with AVX-512 takes other code paths than one with AVX2 only, whose sums round otherwise. So a
+different model, build or CPU kernel set reads none of another's blobs, even in a cache
+directory hosts share. Hashing a GGUF takes ~1 s per 500 MB, so the content digest is kept in
+a sidecar file keyed by path, size and modification time.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
+import llama_cpp
 import orjson
 
 from shared.models import resolve_model
@@ -58,9 +63,24 @@ def model_fingerprint(path: Path, sidecar_dir: Path, *, flash_attn: bool) -> str
 
 
 def configured_fingerprint(settings: Settings) -> str:
-    """The fingerprint of the model and kernels these settings load."""
+    """The fingerprint of the model and kernels these settings load, on any CPU."""
     path = resolve_model(settings.model, settings.data_dir)
     return model_fingerprint(path, settings.data_dir, flash_attn=settings.flash_attn)
+
+
+def cpu_kernels() -> str:
+    """The loaded CPU backend's features, as llama.cpp reports them ("CPU : SSE3 = 1 | ...")."""
+    return str(llama_cpp.llama_print_system_info().decode()).strip()
+
+
+def with_kernels(fingerprint: str, kernels: str) -> str:
+    """A model's fingerprint bound to the CPU kernels that compute its cells (`cpu_kernels()`)."""
+    return hashlib.blake2b(f"{fingerprint}|{kernels}".encode(), digest_size=12).hexdigest()
+
+
+def cache_fingerprint(settings: Settings) -> str:
+    """The namespace of the states this process computes and may read in the prefix cache."""
+    return with_kernels(configured_fingerprint(settings), cpu_kernels())
 
 
 def _read_json(path: Path) -> dict[str, object]:
