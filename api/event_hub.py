@@ -2,8 +2,9 @@
 
 The hub subscribes once, to the pattern of every job's channel, and hands each message to the
 listeners of its job (a message nobody listens to costs a dictionary lookup). Listeners never
-use the pub/sub connection themselves: one task owns it, so no subscribe of a new listener can
-race the reader's reconnect (a handshake read by two coroutines at once cut a stream in CI).
+use the pub/sub connection themselves: one task owns it, since redis-py does not guard one
+connection against two coroutines (re)connecting or reading it at once, which a listener
+subscribing during the reader's reconnect did.
 Clients arriving together share one read of the job's backlog too: a thousand clients
 reconnecting at once cost a few reads, not a thousand (parsing them was most of the API's CPU
 in `make soak`).

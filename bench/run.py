@@ -184,6 +184,11 @@ def _conclave_sweep_section(redis_url: str, log_dir: Path) -> str:
     return conclave.sweep_section(settings, log_dir)
 
 
+def _conclave_lone_section(redis_url: str, log_dir: Path) -> str:
+    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
+    return conclave.lone_section(settings, log_dir)
+
+
 def _cold_prefill_section(redis_url: str, log_dir: Path, server: Path | None, quick: bool) -> str:
     settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
     return cold_prefill.section(settings, log_dir, server, rounds=1 if quick else 3)
@@ -222,6 +227,7 @@ def main() -> None:
             "prompt_kernels",
             "conclave",
             "conclave_sweep",
+            "conclave_lone",
             "cold_prefill",
             "routing",
             "exam",
@@ -283,6 +289,7 @@ def main() -> None:
                 _conclave_section(redis_url, log_dir, args.peer_server, args.stock_site)
             ],
             "conclave_sweep": lambda: [_conclave_sweep_section(redis_url, log_dir)],
+            "conclave_lone": lambda: [_conclave_lone_section(redis_url, log_dir)],
             "cold_prefill": lambda: [
                 _cold_prefill_section(redis_url, log_dir, args.peer_server, args.quick)
             ],
