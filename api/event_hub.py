@@ -3,18 +3,18 @@
 The hub subscribes once, to the pattern of every job's channel, and hands each message to the
 listeners of its job (a message nobody listens to costs a dictionary lookup). Listeners never
 use the pub/sub connection themselves: one task owns it, since redis-py does not guard one
-connection against two coroutines (re)connecting or reading it at once, which a listener
-subscribing during the reader's reconnect did.
-Clients arriving together share one read of the job's backlog too: a thousand clients
-reconnecting at once cost a few reads, not a thousand (parsing them was most of the API's CPU
-in `make soak`).
+connection against two coroutines (re)connecting or reading it at once, as a listener
+subscribing during the reader's reconnect could. Clients arriving together share one read of
+the job's backlog too: a thousand clients reconnecting at once cost a few reads, not a
+thousand (parsing them was most of the API's CPU in `make soak`).
 
 What is published while that connection is broken never reaches it. So when it breaks, and
-again once redis-py has reconnected and subscribed again, every listener is told, and reads its
-job's backlog again from where it was: a blip costs a client nothing. If Redis is down, that
-read raises `redis.ConnectionError`, the client's stream ends with an error event, and it
-resumes with `Last-Event-ID`; the hub reconnects by itself with backoff, logging the outage
-once per interval.
+again once redis-py has reconnected and subscribed again, every listener is told; once the feed
+is back it reads its job's backlog again from where it was: a blip costs a client nothing. If
+the feed is not back within RECOVERY_S (Redis is down), `job_events` raises
+`redis.ConnectionError`, the client's stream ends with an error event, and it resumes with
+`Last-Event-ID`; the hub reconnects by itself with backoff, logging the outage once per
+interval.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import redis
 from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 
@@ -38,8 +39,11 @@ log = logging.getLogger(__name__)
 
 # A listener's live events, batch by batch; None when the live feed broke or came back.
 Feed = asyncio.Queue[list[JobEvent] | None]
-# Every job's channel (keys.job_channel); job ids hold no pattern characters.
+# Every job's channel (keys.job_channel).
 JOB_CHANNELS = keys.job_channel("*")
+# How long a listener whose feed broke waits for it to come back before its stream ends: past
+# the reader's first reconnect attempts (0.1, 0.2, 0.4, 0.8 s), well short of a client's patience.
+RECOVERY_S = 3.0
 
 
 class EventHub:
@@ -53,6 +57,7 @@ class EventHub:
         # Per job: the read waiting for its turn, which listeners arriving meanwhile share.
         self._waiting_reads: dict[str, asyncio.Future[list[JobEvent]]] = {}
         self._subscribed = False
+        self._feed_up = asyncio.Event()  # subscribed, no read failed since
         self._outage = RateLimitedLog(log)
         self._reader: asyncio.Task[None] | None = None
 
@@ -100,8 +105,16 @@ class EventHub:
                     yield fresh
                     after = fresh[-1].seq
                 received = await live.get()
-                # The feed broke (or came back): what it missed is in the backlog.
-                batch = await self._backlog(job_id) if received is None else received
+                if received is None:  # the feed broke or came back: it missed events
+                    await self._feed_back()
+                    received = await self._backlog(job_id)
+                batch = received
+
+    async def _feed_back(self) -> None:
+        try:
+            await asyncio.wait_for(self._feed_up.wait(), RECOVERY_S)
+        except TimeoutError:
+            raise redis.ConnectionError("the live event feed (Redis) is down") from None
 
     async def _backlog(self, job_id: str) -> list[JobEvent]:
         """The job's stored events, read after the caller began listening: callers arriving
@@ -127,6 +140,7 @@ class EventHub:
 
     def _reconnected(self, _connection: AbstractConnection) -> None:
         # redis-py calls this after its own callback has subscribed again.
+        self._feed_up.set()
         self._interrupt_all()
 
     def _interrupt_all(self) -> None:
@@ -142,6 +156,7 @@ class EventHub:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                self._feed_up.clear()
                 self._interrupt_all()
                 if isinstance(exc, REDIS_DOWN):
                     self._outage.failure("event feed lost (%s); reconnecting", describe(exc))
@@ -150,6 +165,7 @@ class EventHub:
                 await asyncio.sleep(backoff.next())
                 continue
             backoff.reset()
+            self._feed_up.set()  # also when redis-py reconnected inside a read that then failed
             self._outage.recovered("event feed reconnected")
             if message is not None and message["type"] == "pmessage":
                 self._dispatch(message)
@@ -160,6 +176,7 @@ class EventHub:
             assert self._pubsub.connection is not None
             self._pubsub.connection.register_connect_callback(self._reconnected)
             self._subscribed = True
+            self._feed_up.set()
             self._interrupt_all()  # listeners that came first read their backlog again
         message: dict[str, Any] | None = await self._pubsub.get_message(timeout=1.0)
         return message
