@@ -435,15 +435,15 @@ class PrefixCache:
             logger.info("prefix cache: a state with %d breaks is not saved", len(breaks))
             return False
         try:
-            return self._save(list(tokens_prefix), bytes(state), tuple(breaks))
+            return self._save(list(tokens_prefix), state, tuple(breaks))
         except OSError as exc:
             logger.warning("prefix cache: save skipped: %s", exc)
         except Exception:  # background thread: a cache bug must not kill the job
             logger.warning("prefix cache: save failed", exc_info=True)
         return False
 
-    def _save(self, tokens: list[int], state: bytes, breaks: tuple[int, ...]) -> bool:
-        if not tokens or not state:
+    def _save(self, tokens: list[int], view: bytes | memoryview, breaks: tuple[int, ...]) -> bool:
+        if not tokens or not len(view):
             return False
         chain = block_hashes(tokens, self._block_tokens, self._fp)
         bounds = boundaries(tokens, self._block_tokens, self._fp, chain=chain)
@@ -454,6 +454,7 @@ class PrefixCache:
         if self._store.stat(key) is not None and self._store.stat(top_marker) is not None:
             self._store.touch(key, now_s)  # dedupe: already stored and indexed
             return True
+        state = bytes(view)  # only now: a state stored already costs no copy of tens of MB
         delta = self._plan_delta(tokens, state, chain, bounds, name)
         if delta is None:
             blob = encode_blob(self._fp, self._block_tokens, tokens, state, breaks)

@@ -249,12 +249,31 @@ def leading_equal(layout: Layout, segments: list[Segment], limit: int) -> int:
             theirs_piece = other.pieces[i]
             assert isinstance(theirs_piece, Cells)
             theirs = other.cells(theirs_piece)[:, start : start + n, : piece.compared]
-            same = (mine[:, at : at + n] == theirs).all(axis=(0, 2))
-            if not same.all():
-                k = at + int(np.argmin(same))
+            same = _leading_same(mine[:, at : at + n], theirs)
+            if same < n:
+                k = at + same
                 break
             at += n
     return k
+
+
+def _leading_same(a: npt.NDArray[np.uint8], b: npt.NDArray[np.uint8]) -> int:
+    """How many leading cells (axis 1) two blocks of (rows, cells, bytes) have equal. Mostly
+    all of them (a delta's base is the state's own prefix): one whole comparison says so. A
+    per-cell reduction over rows and bytes ran at ~0.3 GB/s on transposed V (a 3,000-token
+    Qwen2.5 delta spent 0.25 s of the saver's thread here, beside the next prompt's prefill);
+    else equal prefixes are found by halving, a few whole comparisons more."""
+    n = int(a.shape[1])
+    if np.array_equal(a, b):
+        return n
+    equal, differs = 0, n
+    while differs - equal > 1:
+        mid = (equal + differs) // 2
+        if np.array_equal(a[:, :mid], b[:, :mid]):
+            equal = mid
+        else:
+            differs = mid
+    return equal
 
 
 def meta_range(layout: Layout) -> tuple[int, int]:

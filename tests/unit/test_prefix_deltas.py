@@ -118,13 +118,20 @@ def test_cells_split_and_join_back_into_the_same_state(v_trans: bool) -> None:
     assert compose(layout, [(layout, 0, 12)]).tobytes() == fake_state(tokens[:12], v_trans=v_trans)
 
 
-def test_leading_equal_finds_the_first_cell_that_differs() -> None:
-    a = parse(fake_state(toks(0, 30)))
-    b = parse(fake_state([*toks(0, 17), *toks(500, 13)]))
+@pytest.mark.parametrize("v_trans", [True, False])
+@pytest.mark.parametrize("differs_at", [0, 1, 16, 17, 29])
+def test_leading_equal_finds_the_first_cell_that_differs(v_trans: bool, differs_at: int) -> None:
+    a = parse(fake_state(toks(0, 30), v_trans=v_trans))
+    b = parse(fake_state([*toks(0, differs_at), *toks(500, 30 - differs_at)], v_trans=v_trans))
     assert a is not None and b is not None
-    assert leading_equal(b, [(a, 0, 30)], 30) == 17
-    assert leading_equal(b, [(a, 0, 30)], 9) == 9
-    other = parse(fake_state(toks(0, 30), "another chunking"))
+    assert leading_equal(b, [(a, 0, 30)], 30) == differs_at
+    assert leading_equal(b, [(a, 0, 30)], 9) == min(9, differs_at)
+    assert leading_equal(a, [(a, 0, 30)], 30) == 30
+    # The same cells read from two segments: a base and the delta on it.
+    head = parse(compose(a, [(a, 0, 12)]).tobytes())
+    assert head is not None
+    assert leading_equal(b, [(head, 0, 12), (a, 12, 30)], 30) == differs_at
+    other = parse(fake_state(toks(0, 30), "another chunking", v_trans=v_trans))
     assert other is not None and leading_equal(other, [(a, 0, 30)], 30) == 0
 
 
