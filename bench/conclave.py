@@ -402,6 +402,7 @@ def lone_section(settings: Settings, log_dir: Path) -> str:
     """
     one_job, conclave = RUNS[0], RUNS[1]
     pairs = []
+    ttfts: tuple[list[float], list[float]] = ([], [])
     for k in range(LONE_ROUNDS):
         rates = []
         for j, run in enumerate((one_job, conclave)):
@@ -409,9 +410,12 @@ def lone_section(settings: Settings, log_dir: Path) -> str:
             with granary(settings, log_dir, run, None) as (url, _pid):
                 asyncio.run(_at_once(url, [prompt(offset + 99)], 4))  # warm-up
                 texts = [[prompt(offset + i) for i in range(LONE_REQUESTS)]]
-                rates.append(decode_rate(asyncio.run(_clients(url, texts, MAX_TOKENS))))
+                replies = asyncio.run(_clients(url, texts, MAX_TOKENS))
+            rates.append(decode_rate(replies))
+            ttfts[j].extend(r.ttft for r in replies)
         pairs.append((rates[0], rates[1]))
     ratios = [c / o for o, c in pairs]
+    ttft_one_job, ttft_conclave = (statistics.median(t) for t in ttfts)
     lines = [
         "## One client: the Conclave against one job at a time",
         "",
@@ -425,5 +429,11 @@ def lone_section(settings: Settings, log_dir: Path) -> str:
         "|---|---|---|---|",
     ]
     lines += [f"| {k + 1} | {o:.1f} | {c:.1f} | {c / o:.2f}× |" for k, (o, c) in enumerate(pairs)]
-    lines += ["", f"Median of the pairs' ratios: **{statistics.median(ratios):.2f}×**."]
+    lines += [
+        "",
+        f"Median of the pairs' ratios: **{statistics.median(ratios):.2f}×**. Time to first "
+        f"token, median of all {LONE_ROUNDS * LONE_REQUESTS} requests of each: one job at a "
+        f"time {ttft_one_job:.2f} s, the Conclave {ttft_conclave:.2f} s "
+        f"({ttft_conclave / ttft_one_job:.2f}×).",
+    ]
     return "\n".join(lines) + "\n"
