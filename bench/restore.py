@@ -75,6 +75,7 @@ def section(settings: Settings, cache_dir: Path, rounds: int) -> str:
             assert hit is not None and kv_state.restore(llama, hit.state, tokens, hit.n_tokens)
 
         _, kept = kv_state.capture(llama)
+        saves = _saves(store, block, tokens, base_state, state, rounds)
         rows = {
             "snapshot: `kv_state.capture` into a new buffer": lambda: kv_state.capture(llama),
             "snapshot: `kv_state.capture` into a buffer an earlier one used": lambda: (
@@ -93,6 +94,7 @@ def section(settings: Settings, cache_dir: Path, rounds: int) -> str:
             **_copies(bytes(state), cache_dir / f"{FINGERPRINT}/blobs" / key.rsplit("/", 1)[1]),
         }
         lines = [_row(label, _ms(step, rounds)) for label, step in rows.items()]
+        lines += [_row(label, timing) for label, timing in saves.items()]
     finally:
         llama.close()
     return HEADER.format(tokens=len(tokens), mb=len(state) / 1e6, rounds=rounds) + "\n".join(lines)
@@ -115,6 +117,36 @@ def _copies(state: bytes, path: Path) -> dict[str, Callable[[], object]]:
     }
 
 
+def _saves(
+    store: DirectoryBlobStore,
+    block: int,
+    tokens: list[int],
+    base_state: bytes | memoryview,
+    state: bytes | memoryview,
+    rounds: int,
+) -> dict[str, tuple[float, float]]:
+    """What the saver's thread spends on `PrefixCache.save`: the state as a delta on its
+    stored base (a namespace of its own each round, the base saved untimed), and again once
+    stored."""
+    samples = []
+    for i in range(rounds):
+        cache = PrefixCache(store, f"{FINGERPRINT}-save-{i}", block_tokens=block)
+        assert cache.save(tokens[:BASE_TOKENS], base_state)
+        started = time.perf_counter()
+        assert cache.save(tokens, state)
+        samples.append((time.perf_counter() - started) * 1000)
+    label = f"save: `PrefixCache.save` as a delta on a stored {BASE_TOKENS}-token base"
+    return {
+        f"{label} (read the base, compare the cells, write)": (
+            statistics.median(samples),
+            min(samples),
+        ),
+        "save: `PrefixCache.save` of a state stored already": _ms(
+            lambda: cache.save(tokens, state), rounds
+        ),
+    }
+
+
 def _row(label: str, timing: tuple[float, float]) -> str:
     median, fastest = timing
     return f"| {label} | {median:.1f} | {fastest:.1f} |"
@@ -128,7 +160,8 @@ own, {rounds} times; "whole restore" is the lookup and load that a job's `timing
 includes on a hit; "of a delta", the same state stored as its last cells on a base holding the
 first ones (shared/prefix_cache/deltas.py). The two floors copy the same bytes into a buffer that already exists: no
 restore can beat them. The two "snapshot" rows are the copy a worker makes on its model thread
-when it saves a state (worker/prefix_saver.py), into a fresh buffer and into a kept one.
+when it saves a state (worker/prefix_saver.py), into a fresh buffer and into a kept one; the
+two "save" rows what its saver thread then spends on a state.
 
 | step | median ms | fastest ms |
 |---|---|---|

@@ -259,10 +259,11 @@ def leading_equal(layout: Layout, segments: list[Segment], limit: int) -> int:
 
 def _leading_same(a: npt.NDArray[np.uint8], b: npt.NDArray[np.uint8]) -> int:
     """How many leading cells (axis 1) two blocks of (rows, cells, bytes) have equal. Mostly
-    all of them (a delta's base is the state's own prefix): one whole comparison says so. A
-    per-cell reduction over rows and bytes ran at ~0.3 GB/s on transposed V (a 3,000-token
-    Qwen2.5 delta spent 0.25 s of the saver's thread here, beside the next prompt's prefill);
-    else equal prefixes are found by halving, a few whole comparisons more."""
+    all of them (a delta's base is the state's own prefix): one whole comparison says so, else
+    equal prefixes are found by halving, a few whole comparisons more. A reduction per cell over
+    rows and bytes was slow on transposed V (many rows of 2 bytes): most of a delta's save,
+    which the saver's thread spends beside the next prompt's prefill (docs/BENCHMARKS.md,
+    "where a restore's time goes")."""
     n = int(a.shape[1])
     if np.array_equal(a, b):
         return n
