@@ -10,14 +10,19 @@ So a prompt without a declared document prefix also ends chunks where prompts pa
 - at the start of each stretch of text between the chat template's control tokens (a
   message's content: the messages before it, the system prompt above all, are shared whole);
 - at the start of each stretch's last paragraph (after a blank line): where a question
-  follows the document it asks about.
+  follows the document it asks about;
+- at the end of each stretch followed by at least `MIN_TAIL` more tokens: where a document
+  sent as a message of its own (a system message, as OpenAI clients send it) is followed by
+  a short question in the next one. Without it the next question shared the document only up
+  to its last block boundary and read the rest again (~120 tokens a question on ~570-token
+  prompts). The last message's end is followed only by the template's turn markers, fewer
+  than `MIN_TAIL`: no chunk would be worth its pass there.
 
 Only stretches of at least `MIN_STRETCH` tokens count (a role name or a short reply is not
 worth a chunk of its own), and a point closer than `MIN_STRETCH` to the prompt's start or to
-the stretch's start is no break. Each break costs a few milliseconds of prefill (one more,
-shorter chunk); there are at most two per long stretch. The points depend on the prompt's
-tokens alone, never on what is cached, so greedy output is the same with the cache as
-without it.
+the stretch's start is no break. Each break costs one more pass of prefill (a shorter chunk);
+there are at most three per long stretch. The points depend on the prompt's tokens alone,
+never on what is cached, so greedy output is the same with the cache as without it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ from llama_cpp import Llama
 
 # Stretches (and distances) shorter than this get no break.
 MIN_STRETCH = 32
+# A stretch's end is a break when at least this many tokens follow it: more than the turn
+# markers a chat template puts after the last message (5 on Qwen, SmolLM2 and Gemma-3), as
+# many as the shortest question with its own markers.
+MIN_TAIL = 8
 _CONTROL = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
 
 
@@ -73,6 +82,8 @@ def content_breaks(llama: Llama, tokens: Sequence[int]) -> tuple[int, ...]:
         kind = pieces.kind(llama, token)
         if kind is None:
             _close_stretch(breaks, start, last_paragraph, position)
+            if position - start >= MIN_STRETCH and len(tokens) - position >= MIN_TAIL:
+                breaks.add(position)
             start, last_paragraph, newlines = position + 1, None, 0
             continue
         blank, trailing = kind

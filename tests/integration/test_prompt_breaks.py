@@ -13,7 +13,7 @@ from shared.prefix_cache import common_prefix_len
 from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.conftest import DATA_DIR
-from worker.prompt_breaks import MIN_STRETCH, content_breaks
+from worker.prompt_breaks import MIN_STRETCH, MIN_TAIL, content_breaks
 
 PAGE = "\n\n".join(
     " ".join(f"Shelf {i} holds {i * 3} crates of plums." for i in range(k, k + 6))
@@ -65,6 +65,26 @@ def test_a_chat_breaks_after_the_system_prompt_and_before_the_question(llama: Ll
     assert "You answer" not in llama.detokenize(one[user_start:]).decode()
     assert llama.detokenize(one[question:]).decode().startswith("Which shelf?")
     assert 0 <= common_prefix_len(one, two) - question <= 4
+
+
+def test_a_document_in_a_system_message_breaks_where_it_ends(llama: Llama) -> None:
+    """OpenAI clients send the document as a message of its own and a short question after it:
+    the chunk ends with the document, so the next question reads only its own message."""
+    if not llama.metadata.get("tokenizer.chat_template"):
+        pytest.skip("this model has no chat template")
+
+    def asked(question: str) -> list[int]:
+        messages = [{"role": "system", "content": PAGE}, {"role": "user", "content": question}]
+        return tokens_of(llama, JobRequest.model_validate({"messages": messages}))
+
+    one, two = asked("Which shelf?"), asked("How many plums in all?")
+    document_end = max(content_breaks(llama, one))
+    assert document_end == max(content_breaks(llama, two))
+    assert llama.detokenize(one[:document_end]).decode().endswith("crates of plums.")
+    assert 0 < common_prefix_len(one, two) - document_end <= 8
+    # The last message's end is followed by the turn markers alone: no break there.
+    long_question = asked(PAGE.replace("\n\n", " ") + " Which shelf?")
+    assert max(content_breaks(llama, long_question)) < len(long_question) - MIN_TAIL
 
 
 def test_short_stretches_and_single_paragraphs_get_no_breaks(llama: Llama) -> None:
