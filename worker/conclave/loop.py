@@ -36,7 +36,7 @@ import numpy.typing as npt
 from llama_cpp import Llama
 
 from shared.errors import ContextOverflow
-from shared.prefix_cache import CacheHit, PrefixCache
+from shared.prefix_cache import CacheHit, PrefixCache, common_prefix_len, restorable_tokens
 from worker import kv_state
 from worker.conclave.memory import Memory, Resident
 from worker.conclave.streams import (
@@ -88,6 +88,12 @@ class _Stream:
     drifted: bool = False  # see Ended.drifted
     passed_over: int = 0
     rng: np.random.Generator | None = None
+    # Waiting: the stream still prefilling a prefix of this one's prompt, and the cells of it
+    # this one may reuse once that prefill reaches them (see `Conclave._leader`).
+    leader: _Stream | None = None
+    reach: int = 0
+    # Prefilling: the most urgent priority of the streams waiting on this one's prefill.
+    led_priority: int | None = None
 
     @property
     def request(self) -> StreamRequest:
@@ -100,7 +106,10 @@ class _Stream:
 
     def prefill_key(self) -> tuple[int, int, int]:
         remaining = self.request.prefill_end - self.pos
-        return (self.request.priority, remaining, self.arrival)
+        priority = self.request.priority
+        if self.led_priority is not None:
+            priority = min(priority, self.led_priority)
+        return (priority, remaining, self.arrival)
 
 
 class Conclave:
@@ -269,13 +278,74 @@ class Conclave:
             (s for s in self._streams if s.state is _State.WAITING),
             key=lambda s: (s.request.priority, s.arrival),
         )
+        for stream in self._streams:  # set again below by the followers still waiting
+            stream.led_priority = None
         for stream in waiting:
             if not self._memory.has_room():
                 return
+            leader = self._leader(stream)
+            if leader is not None:
+                priority = stream.request.priority
+                leader.led_priority = min(leader.led_priority or priority, priority)
+                continue
             try:
                 self._start(stream)
             except Exception as exc:
                 self._fail(stream, exc)
+
+    def _leader(self, stream: _Stream) -> _Stream | None:
+        """The stream still prefilling a prefix `stream` shares, when `stream` may reuse more
+        of it once that prefill gets there than memory holds now: then `stream` waits and
+        forks there (a memory copy) instead of reading the prefix a second time beside it.
+
+        The leader is the prefilling stream `stream` may reuse most of, kept while it
+        prefills and has not reached that point. One that ends (cancelled, failed) frees its
+        followers: the first to start takes over from the cells it left in memory, and the
+        others follow that one.
+        """
+        leader = stream.leader
+        if leader is not None and leader.state is _State.PREFILLING and leader.pos < stream.reach:
+            return leader
+        candidates = (s for s in self._streams if s.state is _State.PREFILLING)
+        reaches = [(self._reach(s.request, stream.request), s) for s in candidates]
+        reach, leader = max(reaches, key=lambda r: r[0], default=(0, None))
+        if leader is None or reach <= leader.pos or reach <= self._kept_now(stream.request):
+            stream.leader = None
+            return None
+        stream.leader, stream.reach = leader, reach
+        return leader
+
+    def _kept_now(self, request: StreamRequest) -> int:
+        reuse = self._memory.best_reuse(
+            request.namespace, request.tokens, request.prefill_end, request.breaks
+        )
+        return 0 if reuse is None else reuse.tokens
+
+    def _reach(self, leader: StreamRequest, follower: StreamRequest) -> int:
+        """Cells of `leader`'s prefill `follower` may reuse once that prefill is done: where
+        memory would let it fork (`Memory.best_reuse`) at the leader's best chunk end."""
+        if leader.namespace != follower.namespace:
+            return 0
+        common = common_prefix_len(leader.tokens[: leader.prefill_end], follower.tokens)
+        block = self._block_tokens
+        ends = {*range(block, common + 1, block), *(b for b in leader.breaks if b <= common)}
+        if leader.prefill_end <= common:
+            ends.add(leader.prefill_end)
+        return max(
+            (
+                restorable_tokens(
+                    common,
+                    end,
+                    follower.prefill_end,
+                    block,
+                    self._truncatable,
+                    follower.breaks,
+                    tuple(b for b in leader.breaks if b <= end),
+                )
+                for end in ends
+            ),
+            default=0,
+        )
 
     def _start(self, stream: _Stream) -> None:
         request = stream.request
