@@ -529,14 +529,25 @@ class Decoded:
             self.first_at = now
         self.last_at = now
 
-    def timings(self, started: float, prefill_started: float, restore_ms: float | None) -> Timings:
-        if self.first_at is None or self.last_at is None:
+    def timings(
+        self,
+        started: float,
+        prefill_started: float,
+        restore_ms: float | None,
+        ended_at: float | None = None,
+    ) -> Timings:
+        """`ended_at`: when the generation's end was decided; with no token (the first sample
+        ended it), the first token's time is that decision's."""
+        first_at = self.first_at or ended_at
+        if first_at is None:
             return Timings(restore_ms=restore_ms)
-        decode_s = self.last_at - self.first_at
-        rate = (self.ticks - 1) / decode_s if self.ticks > 1 and decode_s > 0 else None
+        rate = None
+        if self.first_at is not None and self.last_at is not None and self.ticks > 1:
+            decode_s = self.last_at - self.first_at
+            rate = (self.ticks - 1) / decode_s if decode_s > 0 else None
         return Timings(
             restore_ms=restore_ms,
-            prefill_ms=(self.first_at - prefill_started) * 1000,
-            ttft_ms=(self.first_at - started) * 1000,
+            prefill_ms=(first_at - prefill_started) * 1000,
+            ttft_ms=(first_at - started) * 1000,
             decode_tokens_per_s=rate,
         )

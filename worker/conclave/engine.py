@@ -139,7 +139,7 @@ class ConclaveEngine:
                 "completion_tokens": decoded.count,
             }
         )
-        timings = decoded.timings(started, begun.prefill_started, begun.restore_ms)
+        timings = decoded.timings(started, begun.prefill_started, begun.restore_ms, ended.at)
         generation = _generation(decoded, usage, boundary, timings)
         return replace(generation, reproducible=not ended.drifted)
 

@@ -132,7 +132,7 @@ def _on_event(answering: Answering, question: _Question, event: Event | None, t0
         return 0
     finish: multi_sequence.Finish = "length" if event.reason == "length" else "stop"
     answering.drifted = answering.drifted or event.drifted
-    ttft = None if question.first_at is None else (question.first_at - t0) * 1000
+    ttft = ((question.first_at or event.at) - t0) * 1000
     rate = None
     if question.first_at and question.last_at and question.last_at > question.first_at:
         rate = (len(question.tokens) - 1) / (question.last_at - question.first_at)

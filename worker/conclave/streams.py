@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 # Prefill order between priority classes: the rq queue a job came from (shared/queues.py).
@@ -100,6 +101,9 @@ class Ended:
     # lone run would (a sampled row, or any row without exact batching): the output may
     # depend on what ran beside it, so it is not stored as the request's result.
     drifted: bool = False
+    # perf_counter when the end was decided: for a stream whose first sample ended it (no
+    # token), the time to that decision is its time to first token.
+    at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(frozen=True, slots=True)
