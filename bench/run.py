@@ -22,6 +22,7 @@ from bench import (
     conclave,
     exam,
     extraction,
+    first_read,
     job_path,
     machine,
     prefix_cache,
@@ -194,6 +195,11 @@ def _cold_prefill_section(redis_url: str, log_dir: Path, server: Path | None, qu
     return cold_prefill.section(settings, log_dir, server, rounds=1 if quick else 3)
 
 
+def _first_read_section(redis_url: str, log_dir: Path, server: Path | None, quick: bool) -> str:
+    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
+    return first_read.section(settings, log_dir, server, rounds=1 if quick else 3)
+
+
 def _routing_section(redis_url: str, log_dir: Path) -> str:
     # Two workers on two cores: one thread each.
     settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=1)
@@ -229,6 +235,7 @@ def main() -> None:
             "conclave_sweep",
             "conclave_lone",
             "cold_prefill",
+            "first_read",
             "routing",
             "exam",
         ],
@@ -243,8 +250,8 @@ def main() -> None:
     parser.add_argument(
         "--peer-server",
         type=Path,
-        help="llama.cpp's llama-server (make peer-server), for conclave, cold_prefill and "
-        "chat_document",
+        help="llama.cpp's llama-server (make peer-server), for conclave, cold_prefill, "
+        "first_read and chat_document",
     )
     parser.add_argument(
         "--invariant-site",
@@ -292,6 +299,9 @@ def main() -> None:
             "conclave_lone": lambda: [_conclave_lone_section(redis_url, log_dir)],
             "cold_prefill": lambda: [
                 _cold_prefill_section(redis_url, log_dir, args.peer_server, args.quick)
+            ],
+            "first_read": lambda: [
+                _first_read_section(redis_url, log_dir, args.peer_server, args.quick)
             ],
             "routing": lambda: [_routing_section(redis_url, log_dir)],
             "exam": lambda: [_exam_section(redis_url, log_dir, args.exam_runs)],

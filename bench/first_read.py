@@ -1,0 +1,199 @@
+"""New documents, many questions: the first read, beside llama-server.
+
+Documents nobody has read yet, several questions each: ~570-token chat prompts (the document in
+the system message, the question as the user message; Qwen2.5-Coder-0.5B-Instruct, 2 threads,
+greedy, answers of at most 16 tokens), asked three ways: one `/v1/extractions` job per
+document (granary only; all submitted at once), an OpenAI client asking one question at a time,
+and an OpenAI client with 8 questions in flight (in document order, as a thread pool takes
+them). granary and llama-server (`-np 8 -kvu`, built from the same llama.cpp) run side by side
+and take turns, round by round, each on documents new to both. The ratio is taken per round:
+the peer's seconds over granary's (above 1, granary is faster); the table gives the median and
+the range over rounds, and the prompt tokens each system reused from memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.conclave import Reply, document, llama_server, stream_chat
+from shared.settings import Settings
+from tests.harness import Stack
+
+DOCUMENTS = 3
+QUESTIONS = (
+    "Which shelf holds the most crates?",
+    "Which clerk checked the first shelf?",
+    "On which day was the last shelf checked?",
+    "How many shelves hold pears?",
+    "Which fruit is on the third shelf?",
+    "How many crates are on the second shelf?",
+    "Which clerk checked the most shelves?",
+    "On which day were apples checked first?",
+)
+LINES = 17  # ~570-token prompts with the template and a question
+MAX_TOKENS = 16
+IN_FLIGHT = 8
+PEER = "llama-server -np 8 -kvu"
+ONE_AT_A_TIME = "OpenAI client, one question at a time"
+EIGHT_IN_FLIGHT = f"OpenAI client, {IN_FLIGHT} questions in flight"
+EXTRACTIONS = "`POST /v1/extractions`, one job per document"
+TARGETS = {ONE_AT_A_TIME: 1.1, EIGHT_IN_FLIGHT: 3.0}
+TARGET_VS_BEST = {EXTRACTIONS: 1.5, EIGHT_IN_FLIGHT: 1.2}
+
+
+@dataclass(frozen=True, slots=True)
+class Timed:
+    seconds: float
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def _documents(seed: int) -> list[str]:
+    return [document(seed + 7919 * d, LINES) for d in range(DOCUMENTS)]
+
+
+def _asks(docs: list[str]) -> list[tuple[str, str]]:
+    return [(doc, question) for doc in docs for question in QUESTIONS]
+
+
+def _client() -> httpx.AsyncClient:
+    # A new connection per request (see bench.conclave._client).
+    return httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+def _summed(started: float, replies: list[Reply]) -> Timed:
+    assert all(r.first is not None or r.tokens == 0 for r in replies)
+    return Timed(
+        time.perf_counter() - started,
+        sum(r.prompt_tokens for r in replies),
+        sum(r.cached_tokens for r in replies),
+    )
+
+
+async def _one_at_a_time(url: str, docs: list[str]) -> Timed:
+    started = time.perf_counter()
+    async with _client() as client:
+        replies = [
+            await stream_chat(client, url, q, MAX_TOKENS, system=doc) for doc, q in _asks(docs)
+        ]
+    return _summed(started, replies)
+
+
+async def _in_flight(url: str, docs: list[str]) -> Timed:
+    slots = asyncio.Semaphore(IN_FLIGHT)
+
+    async def ask(client: httpx.AsyncClient, doc: str, question: str) -> Reply:
+        async with slots:
+            return await stream_chat(client, url, question, MAX_TOKENS, system=doc)
+
+    started = time.perf_counter()
+    async with _client() as client:
+        replies = await asyncio.gather(*(ask(client, d, q) for d, q in _asks(docs)))
+    return _summed(started, list(replies))
+
+
+def _extractions(url: str, docs: list[str]) -> Timed:
+    questions = [{"id": str(i), "question": q} for i, q in enumerate(QUESTIONS)]
+    started = time.perf_counter()
+    with httpx.Client(base_url=url, timeout=900) as client:
+        ids = [
+            client.post(
+                "/v1/extractions",
+                json={"document": doc, "questions": questions, "max_tokens": MAX_TOKENS},
+            ).json()["id"]
+            for doc in docs
+        ]
+        for job_id in ids:
+            while (view := client.get(f"/v1/jobs/{job_id}").json())["status"] in (
+                "queued",
+                "started",
+            ):
+                time.sleep(0.05)
+            assert view["status"] == "finished", view
+    return Timed(time.perf_counter() - started)
+
+
+Clients = dict[str, Callable[[str, list[str]], Timed]]
+CHAT_CLIENTS: Clients = {
+    ONE_AT_A_TIME: lambda url, docs: asyncio.run(_one_at_a_time(url, docs)),
+    EIGHT_IN_FLIGHT: lambda url, docs: asyncio.run(_in_flight(url, docs)),
+}
+
+
+def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int) -> str:
+    # Each system, each client: one Timed per round.
+    timed: dict[tuple[str, str], list[Timed]] = {}
+    with ExitStack() as running:
+        stack = Stack(settings, log_dir)
+        running.callback(stack.stop)
+        stack.start()
+        systems: dict[str, tuple[str, Clients]] = {
+            "granary": (stack.url, {EXTRACTIONS: _extractions, **CHAT_CLIENTS})
+        }
+        if server is not None and server.exists():
+            url = running.enter_context(llama_server(server, settings, log_dir))[0]
+            systems[PEER] = (url, CHAT_CLIENTS)
+        for url, clients in systems.values():  # load pages, nothing measured
+            clients[ONE_AT_A_TIME](url, [document(1, 2)])
+        seed = 10_000
+        for _ in range(rounds):
+            for name, (url, clients) in systems.items():
+                for client, ask in clients.items():
+                    seed += 100_000  # documents new to every system
+                    timed.setdefault((name, client), []).append(ask(url, _documents(seed)))
+    return _render(timed, rounds)
+
+
+def _ratios(peer: list[float], ours: list[float]) -> str:
+    ratios = sorted(p / o for p, o in zip(peer, ours, strict=True))
+    return f"{statistics.median(ratios):.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})"
+
+
+def _render(timed: dict[tuple[str, str], list[Timed]], rounds: int) -> str:
+    lines = [
+        "## New documents × questions: the first read beside llama-server",
+        "",
+        __doc__.split("\n\n", 1)[1].replace("\n", " ").strip()
+        + f" {DOCUMENTS} documents × {len(QUESTIONS)} questions, {rounds} rounds.",
+        "",
+        "| client | system | seconds (median) | prompt tokens reused | vs the peer's same client "
+        "| vs the peer's best client | targets (issue 32) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    peer_rounds = [timed[(PEER, c)] for c in CHAT_CLIENTS if (PEER, c) in timed]
+    peer_best = [min(t.seconds for t in per) for per in zip(*peer_rounds, strict=True)]
+    for (name, client), runs in timed.items():
+        seconds = [t.seconds for t in runs]
+        reused = "–"
+        if runs[0].prompt_tokens:
+            reused = f"{runs[-1].cached_tokens:,} of {runs[-1].prompt_tokens:,} (last round)"
+        same = best = "–"
+        if name != PEER and (PEER, client) in timed:
+            same = _ratios([t.seconds for t in timed[(PEER, client)]], seconds)
+        if name != PEER and peer_best:
+            best = _ratios(peer_best, seconds)
+        targets = _targets(client) if name != PEER else "–"
+        lines.append(
+            f"| {client} | {name} | {statistics.median(seconds):.1f} | {reused} | {same} | "
+            f"{best} | {targets} |"
+        )
+    if not peer_rounds:
+        lines += ["", "llama-server was not built (`make peer-server`): no peer rows."]
+    return "\n".join(lines) + "\n"
+
+
+def _targets(client: str) -> str:
+    wanted = []
+    if client in TARGETS:
+        wanted.append(f"≥ {TARGETS[client]}× the same client")
+    if client in TARGET_VS_BEST:
+        wanted.append(f"≥ {TARGET_VS_BEST[client]}× the best")
+    return ", ".join(wanted) or "–"
