@@ -8,6 +8,7 @@ worker is really gone, and another worker re-runs it.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -102,6 +103,15 @@ class _Ticker:
                 self._waiter.failed(exc)
             except Exception:  # routing is an optimisation: the worker goes on without it
                 log.warning("routing round failed", exc_info=True)
+
+
+def _end_loop(thread: PubSubWorkerThread) -> None:
+    """Ends the thread's read loop without waiting for it (before redis-py 8.2, `stop()` never
+    waited; since, it waits unless given a timeout)."""
+    if "timeout" in inspect.signature(thread.stop).parameters:
+        thread.stop(timeout=0)
+    else:
+        thread.stop()
 
 
 class GranaryWorker(SimpleWorker):
@@ -209,6 +219,21 @@ class GranaryWorker(SimpleWorker):
             super().teardown()  # type: ignore[no-untyped-call]
         except REDIS_DOWN as exc:  # stopping during an outage: the registration expires
             log.warning("worker %s stops without unregistering (%s)", self.name, describe(exc))
+
+    def unsubscribe(self) -> None:
+        """rq sends UNSUBSCRIBE, then stops its pub/sub thread. The thread could read the reply
+        first and go back to waiting, now for a subscription, for rq's whole 60 s poll; and
+        since redis-py 8.2 `stop()` waits for the thread: a worker asked to stop then took a
+        minute to exit (or was killed first, its pending snapshots lost). Here the thread's
+        loop is ended first, so the reply is what wakes it to exit."""
+        thread = self.pubsub_thread
+        if thread is None:
+            return
+        log.info("worker %s unsubscribes from %s", self.name, self.pubsub_channel_name)
+        _end_loop(thread)
+        self.pubsub.unsubscribe()
+        thread.join(timeout=1)
+        self.pubsub.close()
 
     def _pubsub_exception_handler(
         self, exc: Exception, pubsub: PubSub, pubsub_thread: PubSubWorkerThread
