@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from redis.asyncio import BlockingConnectionPool
 from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio.retry import Retry
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from api import errors
 from api.batches import Batches
@@ -20,7 +21,7 @@ from api.state import AppState
 from shared.job_store import JobStore
 from shared.llm import load_llama
 from shared.prefix_cache import open_cache
-from shared.redis_server import QUICK_BACKOFF, QUICK_RETRIES, connect
+from shared.redis_server import QUICK_BACKOFF, QUICK_RETRIES, connect, deadline_kwargs
 from shared.result_cache import open_results
 from shared.settings import Settings
 from shared.submission import Submitter
@@ -30,13 +31,17 @@ from shared.warm_runs import WarmRuns
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis = connect(settings.redis_url, fail_fast=True)
+        redis = connect(settings.redis_url, deadline_s=settings.api.redis_timeout_s)
         aredis = _async_redis(settings)
         tokenizer = load_llama(settings, vocab_only=True)
         store = JobStore(redis, settings.jobs.result_ttl_s)
         submitter = Submitter(redis, store, tokenizer, settings, open_results(redis, settings))
         # One pool connection is the hub's pub/sub; the others serve backlog reads.
-        hub = EventHub(aredis, backlog_reads=settings.api.redis_max_connections - 1)
+        hub = EventHub(
+            aredis,
+            backlog_reads=settings.api.redis_max_connections - 1,
+            deadline_s=settings.api.redis_timeout_s,
+        )
         await hub.start()
         app.state.granary = AppState(
             settings=settings,
@@ -67,12 +72,16 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 def _async_redis(settings: Settings) -> AsyncRedis:
-    """A pool that makes a request wait for a free connection instead of failing at once."""
+    """A pool that makes a request wait for a free connection instead of failing at once; the
+    event hub bounds each of its calls (the wait, connecting, the reply) by the deadline."""
+    timeout_s = settings.api.redis_timeout_s
     pool = BlockingConnectionPool.from_url(
         settings.redis_url,
         max_connections=settings.api.redis_max_connections,
-        timeout=settings.api.redis_pool_timeout_s,
-        retry=Retry(QUICK_BACKOFF, QUICK_RETRIES),
+        timeout=timeout_s,
+        # As the sync client's (shared/redis_server.py): a timeout is never retried.
+        retry=Retry(QUICK_BACKOFF, QUICK_RETRIES, supported_errors=(RedisConnectionError,)),
+        **deadline_kwargs(timeout_s),
     )
     return AsyncRedis.from_pool(pool)
 

@@ -73,9 +73,15 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(error_type, str(exc.detail)), exc.status_code)
 
 
+# Seconds a client is asked to wait before trying again while Redis is unavailable: as long as
+# the longest pause between the API's own reconnect attempts (shared/redis_outage.py).
+REDIS_RETRY_AFTER_S = 2
+
+
 async def _redis_down(_: Request, exc: Exception) -> JSONResponse:
     _outage.failure("Redis unavailable (%s): answering 503", describe(exc))
-    return JSONResponse(error_body("unavailable", "the queue (Redis) is unavailable"), 503)
+    body = error_body("unavailable", "the queue (Redis) is unavailable")
+    return JSONResponse(body, 503, headers={"Retry-After": str(REDIS_RETRY_AFTER_S)})
 
 
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -15,6 +15,12 @@ the feed is not back within RECOVERY_S (Redis is down), `job_events` raises
 `redis.ConnectionError`, the client's stream ends with an error event, and it resumes with
 `Last-Event-ID`; the hub reconnects by itself with backoff, logging the outage once per
 interval.
+
+A frozen Redis (a stopped process, a stalled host, a partition that drops packets) breaks no
+connection: it only stops answering, which on a pub/sub connection looks like a quiet feed. So
+the reader pings Redis on that connection whenever the feed has been quiet for QUIET_S; a ping
+unanswered within the API's Redis deadline counts as a broken feed, handled as above. Each
+backlog read ends within the same deadline, its wait for a turn included.
 """
 
 from __future__ import annotations
@@ -44,11 +50,16 @@ JOB_CHANNELS = keys.job_channel("*")
 # How long a listener whose feed broke waits for it to come back before its stream ends: past
 # the reader's first reconnect attempts (0.1, 0.2, 0.4, 0.8 s), well short of a client's patience.
 RECOVERY_S = 3.0
+# How long the reader waits for a message at a time, and how long the feed may be quiet before
+# it asks Redis whether it is still there.
+POLL_S = 1.0
+QUIET_S = 1.0
 
 
 class EventHub:
-    def __init__(self, redis: Redis, backlog_reads: int) -> None:
+    def __init__(self, redis: Redis, backlog_reads: int, deadline_s: float) -> None:
         self._redis = redis
+        self._deadline_s = deadline_s
         self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
         self._listeners: dict[str, set[Feed]] = defaultdict(set)
         # Backlog reads take turns rather than a pool connection each at once: hundreds of
@@ -60,6 +71,10 @@ class EventHub:
         self._feed_up = asyncio.Event()  # subscribed, no read failed since
         self._outage = RateLimitedLog(log)
         self._reader: asyncio.Task[None] | None = None
+        # When the feed last delivered anything (a message, a pong), and when the ping it has
+        # not yet answered was sent: loop time.
+        self._heard_at = 0.0
+        self._ping_sent_at: float | None = None
 
     async def start(self) -> None:
         # The reader subscribes, so an API started while Redis is down serves (503s) and
@@ -128,7 +143,7 @@ class EventHub:
     async def _read_backlog(self, job_id: str) -> list[JobEvent]:
         this = asyncio.current_task()
         try:
-            async with self._backlog_turns:
+            async with self._deadline("reading a job's events"), self._backlog_turns:
                 # Sent from here on: who listens from now on may be too late for it, and reads anew.
                 if self._waiting_reads.get(job_id) is this:
                     del self._waiting_reads[job_id]
@@ -138,8 +153,20 @@ class EventHub:
                 del self._waiting_reads[job_id]
         return [JobEvent.from_fields(fields or {}) for _, fields in entries]
 
+    @contextlib.asynccontextmanager
+    async def _deadline(self, what: str) -> AsyncIterator[None]:
+        """Ends the block within the deadline, raising what a Redis client raises on a timeout
+        (callers map that to a 503 or a stream's `error` event)."""
+        try:
+            async with asyncio.timeout(self._deadline_s):
+                yield
+        except TimeoutError:
+            raise redis.TimeoutError(f"{what}: no answer within {self._deadline_s:g} s") from None
+
     def _reconnected(self, _connection: AbstractConnection) -> None:
-        # redis-py calls this after its own callback has subscribed again.
+        # redis-py calls this after its own callback has subscribed again. A ping sent on the
+        # connection before is never answered now.
+        self._ping_sent_at = None
         self._feed_up.set()
         self._interrupt_all()
 
@@ -178,8 +205,26 @@ class EventHub:
             self._subscribed = True
             self._feed_up.set()
             self._interrupt_all()  # listeners that came first read their backlog again
-        message: dict[str, Any] | None = await self._pubsub.get_message(timeout=1.0)
+        message: dict[str, Any] | None = await self._pubsub.get_message(timeout=POLL_S)
+        now = asyncio.get_running_loop().time()
+        if message is not None:
+            self._heard_at, self._ping_sent_at = now, None
+        elif self._ping_sent_at is None and now - self._heard_at >= QUIET_S:
+            await self._pubsub.ping()  # answered on the feed, by a message of type "pong"
+            self._ping_sent_at = now
+        elif self._ping_sent_at is not None and now - self._ping_sent_at > self._deadline_s:
+            await self._drop_connection()
+            raise redis.TimeoutError(f"no answer to a ping within {self._deadline_s:g} s")
         return message
+
+    async def _drop_connection(self) -> None:
+        """Closes the pub/sub connection without waiting on its peer: the next read connects
+        again and subscribes again (a frozen server would otherwise keep the silent one)."""
+        self._ping_sent_at = None
+        connection = self._pubsub.connection
+        if connection is not None:
+            with contextlib.suppress(*REDIS_DOWN, OSError):
+                await connection.disconnect(nowait=True)
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         feeds = self._listeners.get(message["channel"].decode())

@@ -34,11 +34,27 @@ QUICK_RETRIES = 2
 QUICK_BACKOFF = ExponentialBackoff(cap=0.2, base=0.02)
 
 
-def connect(url: str, *, fail_fast: bool = False) -> redis.Redis:
-    """A client; `fail_fast` (the API's) gives up on an unreachable server within ~0.3 s."""
-    if fail_fast:
-        retry = Retry(QUICK_BACKOFF, QUICK_RETRIES)
-        return redis.Redis.from_url(url, health_check_interval=30, retry=retry)
+def quick_retry() -> Retry:
+    """Retries a refused or broken connection only, which is known at once. Never a timeout:
+    a server that did not answer in time (frozen, or cut off) would be waited for again, and
+    a call given a deadline would take a multiple of it."""
+    return Retry(QUICK_BACKOFF, QUICK_RETRIES, supported_errors=(redis.ConnectionError,))
+
+
+def deadline_kwargs(timeout_s: float) -> dict[str, float]:
+    """Socket timeouts for calls that must end within `timeout_s`: a new connection may spend
+    half on its TCP connect and half on its handshake's reply, an open one half on a reply."""
+    return {"socket_connect_timeout": timeout_s / 2, "socket_timeout": timeout_s / 2}
+
+
+def connect(url: str, *, deadline_s: float | None = None) -> redis.Redis:
+    """A client. With `deadline_s` (the API's) each call answers or fails within it: a down
+    server within ~0.3 s, a frozen or unreachable one within `deadline_s`. Without, a call
+    waits as long as Redis takes (workers and the warmer: they wait out outages anyway)."""
+    if deadline_s is not None:
+        return redis.Redis.from_url(
+            url, health_check_interval=30, retry=quick_retry(), **deadline_kwargs(deadline_s)
+        )
     return redis.Redis.from_url(url, health_check_interval=30)
 
 

@@ -38,10 +38,13 @@ class ApiSettings(BaseModel):
     # With api_keys set, /docs and /openapi.json need a key too unless this is true.
     open_docs: bool = False
     # The async Redis pool behind event streams: one connection is the shared pub/sub, the
-    # rest read stream backlogs (reads beyond that queue for a turn). A request waits up to
-    # `redis_pool_timeout_s` for a free connection before its stream ends with an `error`.
+    # rest read stream backlogs (reads beyond that queue for a turn).
     redis_max_connections: int = Field(32, ge=2, le=10_000)
-    redis_pool_timeout_s: float = Field(10.0, gt=0)
+    # Each Redis call of the API (connecting, waiting for a pooled connection, reading the
+    # reply, together) gets this long before the request gets a 503: a frozen Redis (a stopped
+    # process, a stalled host, a partition dropping packets) answers nothing, and without a
+    # deadline a request waits on it forever. A healthy Redis answers in well under 10 ms.
+    redis_timeout_s: float = Field(3.0, gt=0, le=60)
 
 
 class WorkerSettings(BaseModel):

@@ -1,10 +1,12 @@
-"""A private redis-server that a test (or the soak) stops and starts again on the same port.
+"""A private redis-server that a test (or the soak) stops and starts again on the same port, or
+freezes and thaws.
 
 Append-only file on, as a deployment that keeps its jobs across a Redis restart runs it.
 """
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -45,9 +47,21 @@ class RedisProcess:
     def stop(self) -> None:
         """SIGTERM: the server writes its append-only file out and exits, like a restart."""
         if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)  # a frozen server would never act on SIGTERM
             self._proc.terminate()
             self._proc.wait(timeout=30)
         self._proc = None
+
+    def freeze(self) -> None:
+        """SIGSTOP: connections stay open and nothing answers, as from a stalled host, a long
+        fork or a partition that drops packets (the kernel still accepts new connections)."""
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT: the server goes on with whatever it was sent meanwhile."""
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGCONT)
 
     def __enter__(self) -> RedisProcess:
         self.start()

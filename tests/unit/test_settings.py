@@ -16,6 +16,8 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert settings.api.port == 8080
     assert settings.model == "smollm2-135m"
     assert settings.cache_dir == settings.data_dir / "kv"
+    # A request meeting a frozen Redis waits this long for its 503 (issue 40: at most 3 s).
+    assert settings.api.redis_timeout_s == 3.0
 
 
 def test_env_beats_toml_beats_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
