@@ -277,6 +277,7 @@ class ConclaveWorker(GranaryWorker):
         self._free_sequences = free_sequences
         self._held_documents = held_documents
         self._active: dict[str, tuple[threading.Thread, str]] = {}
+        self._beats: dict[str, Callable[[], None]] = {}  # per running execution
         self._changed = threading.Condition()
         self._shared = {q.name: q for q in self._ordered_queues}
         self._routes = routing_settings.enabled
@@ -309,17 +310,21 @@ class ConclaveWorker(GranaryWorker):
         except REDIS_DOWN as exc:  # as GranaryWorker.execute_job: the registry re-queues it
             self._waiter.wait(exc)
             return
+        beat = partial(self.maintain_heartbeats, job, execution)
         thread = threading.Thread(
-            target=self._perform, args=(job, queue, execution), name=f"job-{job.id}", daemon=True
+            target=self._perform,
+            args=(job, queue, execution, beat),
+            name=f"job-{job.id}",
+            daemon=True,
         )
         with self._changed:
             self._active[execution.id] = (thread, queue.name)
+            self._beats[execution.id] = beat
         thread.start()
         self._advertise_now.set()
 
-    def _perform(self, job: Job, queue: Queue, execution: Any) -> None:
+    def _perform(self, job: Job, queue: Queue, execution: Any, beat: Callable[[], None]) -> None:
         try:
-            beat = lambda: self.maintain_heartbeats(job, execution)  # noqa: E731
             with _Heartbeat(beat, self._heartbeat_ttl_s / 3, self._waiter):
                 self.perform_job(job, queue, execution)
         except REDIS_DOWN as exc:
@@ -327,6 +332,7 @@ class ConclaveWorker(GranaryWorker):
         finally:
             with self._changed:
                 del self._active[execution.id]
+                del self._beats[execution.id]
                 idle = not self._active
                 self._changed.notify_all()
             self._advertise_now.set()
@@ -358,6 +364,21 @@ class ConclaveWorker(GranaryWorker):
                 return self._as_shared(*result)
         self._withdraw()
         return None
+
+    def run_maintenance_tasks(self) -> None:
+        self._beat_running()
+        super().run_maintenance_tasks()
+
+    def _beat_running(self) -> None:
+        """Its own running jobs are alive, whatever their last heartbeat says. After Redis was
+        frozen or away for longer than `heartbeat_ttl_s`, their last beats have expired by the
+        time it answers again; the registry cleanup that follows (this worker is often the
+        first to run one) took them for abandoned and queued them again, and they ran twice,
+        here beside themselves."""
+        with self._changed:
+            beats = list(self._beats.values())
+        for beat in beats:
+            self._waiter.call(beat)
 
     def _wait_for_room(self) -> None:
         with self._changed:
