@@ -8,10 +8,11 @@
 # edits (each fails the build if its text is not found): the CPU kernels whose code path
 # depends on the number of rows in a batch (llamafile's sgemm from 2 rows, repacked weights'
 # gemm and its 4-row interleaved quantisation of the activations from 4, the tiled K-quant
-# path from 8, ARM's two-row mmla dot from 2) start at ROWS rows instead. A decode step of
-# fewer rows then computes each row as a lone decode does, bit for bit, so the Conclave batches
-# jobs without near-tie replays (worker/conclave/row_check.py checks it at start-up); prefill
-# chunks, hundreds of rows, keep the fast kernels. For bench/batch_rows.py only: `stock` builds
+# path from 8, ARM's two-row mmla dot from 2) start at ROWS rows instead, and flash attention
+# never splits a decode row's cells among threads. A decode step of fewer rows then computes
+# each row as a lone decode does, bit for bit, so the Conclave batches jobs without near-tie
+# replays (worker/conclave/row_check.py checks it at start-up); prefill chunks, hundreds of
+# rows, keep the fast kernels. For bench/batch_rows.py only: `stock` builds
 # the sdist unchanged, `batch-invariant` without llamafile's sgemm.
 #
 # On x86_64 the CPUs here advertise AMX the sandbox cannot run (SIGSEGV in
@@ -52,6 +53,11 @@ if [ "$VARIANT" = row-invariant ]; then
 struct ggml_compute_params {"
   printf '\n__attribute__((visibility("default"))) int %s = %d;\n' "$rows" "$ROWS" >>"$cpu/ggml-cpu.c"
   edit "$cpu/llamafile/sgemm.cpp" '    if (n < 2)' "    if (n < 2 || n < $rows)"
+  # Flash attention: a lone query row of one sequence past 512 cells splits its cells among
+  # the threads and merges their partial sums, a row beside other sequences does not. Decode
+  # steps never split, so a row's sums run in one order whatever is decoded beside it.
+  edit "$cpu/ops.cpp" 'const bool use_split_kv_path = !use_ref &&' \
+    "const bool use_split_kv_path = $rows == 0 && !use_ref &&"
   edit "$cpu/repack.cpp" '        if (nrows > 3) {' "        if (nrows > 3 && nrows >= $rows) {"
   edit "$cpu/repack.cpp" 'for (int iter = nrows - (nrows % 4); iter < nrows' \
     "for (int iter = nrows >= $rows ? nrows - (nrows % 4) : 0; iter < nrows"

@@ -84,7 +84,7 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
             return cache
         return namespaced.setdefault(namespace, cache.namespaced(namespace))
 
-    # Flash attention reads a short row beside a long sequence otherwise than alone.
+    # Flash attention may read a long sequence's lone row otherwise than beside others.
     long_cells = PAST_PADDED_WINDOW if settings.flash_attn else 0
 
     def startup() -> bool:
