@@ -285,8 +285,8 @@ class Conclave:
                 return
             leader = self._leader(stream)
             if leader is not None:
-                priority = stream.request.priority
-                leader.led_priority = min(leader.led_priority or priority, priority)
+                priority, led = stream.request.priority, leader.led_priority
+                leader.led_priority = priority if led is None else min(led, priority)
                 continue
             try:
                 self._start(stream)
