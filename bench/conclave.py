@@ -11,8 +11,8 @@ Every system runs alone on the machine, with the same model file and 2 threads: 
 (API + one worker: one job at a time as before the Conclave, then 8 at once: with the kernels
 `make install` builds, whose batched rows equal lone ones, so exact batching replays nothing;
 then with the stock kernels (`make wheel-stock`), where exact batching replays near ties, and
-with `worker.exact_batching` off, which does not; last with `flash_attn` on, as llama-server
-chooses by itself, whose row check finds rows differing, so it replays too) and
+with `worker.exact_batching` off, which does not; last with `flash_attn` off, the default
+before 2026-12-04; llama-server chooses flash attention by itself) and
 `llama-server -np 8 -kvu` built from the llama.cpp llama-cpp-python vendors (`make peer-server`).
 """
 
@@ -262,7 +262,7 @@ class Run:
     exact: bool
     active: int
     stock: bool = False  # the stock kernels (make wheel-stock) instead of the installed ones
-    flash_attn: bool = False
+    flash_attn: bool = True
 
     @property
     def rows(self) -> str:
@@ -276,8 +276,8 @@ RUNS = (
     Run("granary, exact (default)", True, 8),
     Run("granary, exact, stock kernels (near-tie replays)", True, 8, stock=True),
     Run("granary, exact_batching off, stock kernels", False, 8, stock=True),
-    # llama-server picks flash attention by itself (`-fa auto`): granary beside it with it on.
-    Run("granary, exact, flash_attn on", True, 8, flash_attn=True),
+    # What flash attention (llama-server's `-fa auto` and granary's default) changes.
+    Run("granary, exact, flash_attn off", True, 8, flash_attn=False),
 )
 
 

@@ -190,14 +190,13 @@ class Settings(BaseSettings):
     workers_per_host: int = Field(1, ge=1)
     n_batch: int = Field(512, ge=1)
     # llama.cpp's flash-attention kernel (what llama-server's `-fa auto` picks on a CPU): faster
-    # prefill, the more so the longer the prompt, and faster batched decoding
-    # (docs/BENCHMARKS.md). Off by default: with it, rows verified or answered together on the
-    # one-job engine (extraction questions, speculative drafts) parted from lone runs in the
-    # test suite, past the near-tie rule; in the Conclave a short row beside a sequence past
-    # 256 cells differs from alone (its start-up row check then has it replay near ties).
-    # Cells computed with and without it differ in rounding and layout, so it is part of the
-    # cache fingerprint: neither reads the other's states.
-    flash_attn: bool = False
+    # prefill, the more so the longer the prompt (docs/BENCHMARKS.md, "Cold prefill beside
+    # llama-server": a cold ~3,600-token prompt 0.99x the peer's time with it, 1.23x without).
+    # Exact in the Conclave with the wheel `make install` builds, which never splits a decode
+    # row's cells among threads (its start-up row check says so). Cells computed with and
+    # without it differ in rounding and layout, so it is part of the cache fingerprint:
+    # neither reads the other's states.
+    flash_attn: bool = True
     log_level: str = "INFO"
     # Comma-separated in GRANARY_API_KEYS. Empty: no authentication.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
