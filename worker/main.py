@@ -84,8 +84,9 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
             return cache
         return namespaced.setdefault(namespace, cache.namespaced(namespace))
 
-    # Flash attention may read a long sequence's lone row otherwise than beside others.
-    long_cells = PAST_PADDED_WINDOW if settings.flash_attn else 0
+    # Flash attention may read a long sequence's lone row otherwise than beside others: the
+    # check fills one sequence past the padded window, or as far as a sequence holds.
+    long_cells = min(PAST_PADDED_WINDOW, settings.n_ctx - 1) if settings.flash_attn else 0
 
     def startup() -> bool:
         warm_up(llama)

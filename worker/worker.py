@@ -231,7 +231,13 @@ class GranaryWorker(SimpleWorker):
             return
         log.info("worker %s unsubscribes from %s", self.name, self.pubsub_channel_name)
         _end_loop(thread)
-        self.pubsub.unsubscribe()
+        try:
+            self.pubsub.unsubscribe()
+        except REDIS_DOWN:
+            # A message that arrived meanwhile (its subscription's own confirmation, say) woke
+            # the thread, which saw its loop ended and closed the connection under this write:
+            # a closed connection holds no subscription.
+            pass
         thread.join(timeout=1)
         self.pubsub.close()
 
