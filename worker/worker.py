@@ -8,6 +8,7 @@ worker is really gone, and another worker re-runs it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
@@ -231,13 +232,11 @@ class GranaryWorker(SimpleWorker):
             return
         log.info("worker %s unsubscribes from %s", self.name, self.pubsub_channel_name)
         _end_loop(thread)
-        try:
+        # A message that arrived meanwhile (its subscription's own confirmation, say) may have
+        # woken the thread, which saw its loop ended and closed the connection under this
+        # write: a closed connection holds no subscription.
+        with contextlib.suppress(*REDIS_DOWN):
             self.pubsub.unsubscribe()
-        except REDIS_DOWN:
-            # A message that arrived meanwhile (its subscription's own confirmation, say) woke
-            # the thread, which saw its loop ended and closed the connection under this write:
-            # a closed connection holds no subscription.
-            pass
         thread.join(timeout=1)
         self.pubsub.close()
 
