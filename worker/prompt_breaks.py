@@ -14,8 +14,7 @@ So a prompt without a declared document prefix also ends chunks where prompts pa
 - at the end of each stretch followed by at least `MIN_TAIL` more tokens: where a document
   sent as a message of its own (a system message, as OpenAI clients send it) is followed by
   a short question in the next one. Without it the next question shared the document only up
-  to its last block boundary and read the rest again (~120 tokens a question on ~570-token
-  prompts). The last message's end is followed only by the template's turn markers, fewer
+  to its last block boundary and read the rest again. The last message's end is followed only by the template's turn markers, fewer
   than `MIN_TAIL`: no chunk would be worth its pass there.
 
 Only stretches of at least `MIN_STRETCH` tokens count (a role name or a short reply is not
