@@ -105,6 +105,19 @@ def test_prompt_job_streams_tokens_then_done(stack: Stack) -> None:
     assert httpx.get(f"{stack.url}/v1/jobs/{job['id']}").json() == final
 
 
+def test_a_job_whose_first_sample_ends_it_has_a_time_to_first_token(stack: Stack) -> None:
+    """Its time to first token is the time to that decision (it was null: no token came)."""
+    # SmolLM2 ends its turn right after a finished reply (greedy: jobs sample at 0.8 by default).
+    said = "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\nOK."
+    body = {"prompt": said, "special_tokens": True, "max_tokens": 8, "temperature": 0}
+    job = submit(stack, body)
+    final = wait_status(stack, job["id"], {"finished"})
+    assert final["usage"]["completion_tokens"] == 0, "the model went on: pick another prompt"
+    assert final["result"]["finish_reason"] == "stop"
+    assert final["timings"]["ttft_ms"] is not None and final["timings"]["ttft_ms"] > 0
+    assert final["timings"]["prefill_ms"] is not None
+
+
 def test_chat_messages_use_the_template(stack: Stack) -> None:
     body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8, "temperature": 0}
     final = events(stack, submit(stack, body)["id"])[-1][2]
