@@ -6,9 +6,10 @@
 #
 # llama-cpp-python ships as an sdist only. Its vendored llama.cpp is built with a few one-line
 # edits (each fails the build if its text is not found): the CPU kernels whose code path
-# depends on the number of rows in a batch (llamafile's sgemm from 2 rows, repacked weights'
-# gemm and its 4-row interleaved quantisation of the activations from 4, the tiled K-quant
-# path from 8, ARM's two-row mmla dot from 2) start at ROWS rows instead, and flash attention
+# depends on the number of rows in a batch (llamafile's sgemm from 2 rows, except for the
+# types where its arithmetic is vec_dot's; repacked weights' gemm and its 4-row interleaved
+# quantisation of the activations from 4; the tiled K-quant path from 8; ARM's two-row mmla
+# dot from 2) start at ROWS rows instead, and flash attention
 # never splits a decode row's cells among threads. A decode step of fewer rows then computes
 # each row as a lone decode does, bit for bit, so the Conclave batches jobs without near-tie
 # replays (worker/conclave/row_check.py checks it at start-up); prefill chunks, hundreds of
@@ -52,7 +53,26 @@ if [ "$VARIANT" = row-invariant ]; then
     "__attribute__((visibility(\"default\"))) extern int $rows;
 struct ggml_compute_params {"
   printf '\n__attribute__((visibility("default"))) int %s = %d;\n' "$rows" "$ROWS" >>"$cpu/ggml-cpu.c"
-  edit "$cpu/llamafile/sgemm.cpp" '    if (n < 2)' "    if (n < 2 || n < $rows)"
+  # llamafile's Q8_0, Q5_0 and Q4_0 kernels on AVX2 with FMA compute each output as
+  # ggml_vec_dot_{q8_0,q5_0,q4_0}_q8_0 do: per 32-value block the same integer dot in the same
+  # lanes, scaled by the same product of the two deltas, added by one FMA into one 8-lane sum,
+  # blocks in order, then the same horizontal add. A row's value is then the lone row's whatever
+  # the tile, so these keep llamafile's own threshold (2 rows): most of Qwen2.5's and Gemma-3's
+  # weights. Elsewhere (ARM's vec_dot sums two blocks apart) they wait for ROWS like the rest;
+  # the worker's row check at start-up (worker/conclave/row_check.py) tests the claim per host.
+  edit "$cpu/llamafile/sgemm.cpp" '    if (n < 2)' \
+    "    if (n < 2 || (n < $rows && !granary_rows_invariant(Atype)))"
+  edit "$cpu/llamafile/sgemm.cpp" 'bool llamafile_sgemm(' \
+    "static inline bool granary_rows_invariant(int type) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0 || type == GGML_TYPE_Q4_0;
+#else
+    (void) type;
+    return false;
+#endif
+}
+
+bool llamafile_sgemm("
   # Flash attention: a lone query row of one sequence past 512 cells splits its cells among
   # the threads and merges their partial sums, a row beside other sequences does not. Decode
   # steps never split, so a row's sums run in one order whatever is decoded beside it.

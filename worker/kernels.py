@@ -4,6 +4,8 @@ The wheel `make install` builds (deploy/build-llama-wheel.sh) has llama.cpp's ke
 their code path by the number of rows in a pass take their batched path only from
 `granary_exact_rows` rows (32), so a decode step of fewer rows computes every row as it would
 alone, bit for bit: what lets the Conclave batch jobs, and speculation verify drafts, exactly.
+The exception is llamafile's kernels for Q8_0, Q5_0 and Q4_0 weights on AVX2, whose arithmetic
+per output is the lone row's: they keep their batched path from 2 rows.
 
 A prompt chunk needs none of that. Its values depend on the chunk alone (canonical chunks: the
 same tokens, positions and row count in every path, cold or after a restore), never on what
