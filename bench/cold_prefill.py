@@ -34,9 +34,9 @@ from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.harness import Stack, free_port
 from worker.decode_batch import fill_batch, llama_batch
-from worker.engine import prompt_breaks
 from worker.kernels import prompt_chunk_kernels
-from worker.multi_sequence import load_multi_sequence_llama
+from worker.model import load_model
+from worker.prompt_breaks import prompt_breaks
 
 SIZES = {"~1,200 tokens": 36, "~3,600 tokens": 108}
 TARGET = 1.03
@@ -103,7 +103,7 @@ def _in_process(settings: Settings) -> Iterator[Callable[[bool], Ask]]:
     ending at the prompt's breaks and before its last token, which is then decoded alone,
     prompt chunks on llama.cpp's own kernels)."""
     n_seq = settings.worker.max_active_jobs + 4
-    llama = load_multi_sequence_llama(settings, n_seq, n_ctx=n_seq * settings.n_ctx, unified=False)
+    llama = load_model(settings, n_seq)
     memory = llama_cpp.llama_get_memory(llama.ctx)
     block = settings.cache.block_tokens
 

@@ -20,16 +20,14 @@ import httpx
 import orjson
 from httpx_sse import connect_sse
 
-from shared.llm import load_llama
-from shared.prefix_cache import common_prefix_len, open_cache
+from shared.prefix_cache import common_prefix_len
 from shared.prefix_cache.blobs import DirectoryBlobStore
 from shared.prefix_cache.format import parse_head
 from shared.schemas import JobRequest
 from shared.settings import Settings
 from shared.submission import work_order_for
 from tests.harness import Stack
-from worker.engine import Engine, memory_is_truncatable
-from worker.prefix_saver import PrefixSaver
+from worker.main import build_conclave
 
 
 def document(n_items: int, seed: int) -> str:
@@ -159,10 +157,9 @@ def storage_section(settings: Settings, n_docs: int) -> str:
         local = settings.model_copy(
             update={"cache": settings.cache.model_copy(update={"dir": Path(tmp)})}
         )
-        llama = load_llama(local)
-        cache = open_cache(local, truncatable=memory_is_truncatable(llama))
-        saver = PrefixSaver()
-        engine = Engine(llama, local.cache.block_tokens, cache, saver, local.cache.min_tokens)
+        engine = build_conclave(local)
+        llama, cache, saver = engine.llama, engine.cache, engine.saver
+        assert cache is not None and saver is not None
         total_tokens = 0
         for i in range(n_docs):
             engine.forget()
@@ -170,11 +167,11 @@ def storage_section(settings: Settings, n_docs: int) -> str:
             request = JobRequest(prompt=prompt, max_tokens=1, temperature=0)
             order = work_order_for(llama, request, n_ctx=local.n_ctx, default_max_tokens=1)
             total_tokens += engine.generate(order, lambda _i, _t: False).usage.prompt_tokens - 1
-        saver.close()
+        saver.flush()
         stats = cache.stats()
         stored = stored_blobs(Path(tmp), cache.fingerprint)
         system_tokens = len(llama.tokenize(system.encode(), add_bos=True, special=True))
-        llama.close()
+        engine.close()
     unique = unique_tokens([tokens for tokens, _ in stored])
     per_token = max(size / len(tokens) for tokens, (size, base) in stored if base is None)
     deltas = sum(base is not None for _, (_, base) in stored)

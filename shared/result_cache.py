@@ -49,19 +49,14 @@ def identity(settings: Settings, fingerprint: str) -> str:
 
     The fingerprint covers weights, KV type and the llama.cpp build; `n_ctx` caps the tokens
     a prompt leaves room for; `block_tokens` is where prefill chunks end (chunking changes
-    rounding); the engine says how an extraction's questions share the context (the one-job
-    engine puts them in one unified buffer, in waves of `max_sequences`; the Conclave copies
-    each its own, as a lone run). Thread count is not here: a row's values do not depend on it.
+    rounding). No worker setting is here: every worker runs the one engine, whose greedy or
+    seeded output does not depend on how many jobs it serves at once, nor on its threads; a
+    run that may have (`worker.exact_batching` off) is not stored at all.
     """
-    worker = settings.worker
-    engine: list[Any] = ["conclave"]
-    if worker.max_active_jobs == 1:
-        engine = ["one-job", worker.max_sequences]
     material = {
         "model": fingerprint,
         "n_ctx": settings.n_ctx,
         "block_tokens": settings.cache.block_tokens,
-        "engine": engine,
     }
     return _digest(material)
 
@@ -73,8 +68,8 @@ def result_key(
     the API drew (its output is meant to differ from any other's).
 
     Greedy output does not read top_p or the seed, so they are left out and greedy requests
-    differing only there share a result. `speculation` is left out too: exact drafting gives
-    plain decoding's output, and a run that drafted inexactly is never stored.
+    differing only there share a result. `speculation` is left out too: it is not applied yet,
+    and drafting will be held to plain decoding's output (issue 33).
     """
     greedy = order.temperature == 0
     if not greedy and not explicit_seed:

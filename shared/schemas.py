@@ -134,8 +134,9 @@ class JobRequest(SamplingParams, DocumentFields):
     prompt: Text | None = None
     messages: list[Message] | None = Field(None, min_length=1)
     special_tokens: bool = Field(False, description=SPECIAL_TOKENS)
-    # Draft tokens from the prompt and past outputs and verify them in one pass: `auto` keeps
-    # it on only while it is faster. None: the server's default (`jobs.speculation`).
+    # Speculative decoding: accepted and validated, not applied yet (issue 33, item 2: drafts
+    # verified inside the Conclave's shared steps). None: the server's default
+    # (`jobs.speculation`).
     speculation: Speculation | None = None
     cache: bool = Field(True, description=CACHE)
 
@@ -174,7 +175,7 @@ class ExtractionRequest(SamplingParams, DocumentFields):
     """
 
     temperature: float = Field(0.0, ge=0.0, le=2.0)
-    # As on jobs; inside an extraction only greedy answers draft.
+    # As on jobs: accepted, not applied yet.
     speculation: Speculation | None = None
     cache: bool = Field(True, description=CACHE)
     questions: list[ExtractionQuestion] | None = Field(None, min_length=1, max_length=MAX_QUESTIONS)
@@ -339,7 +340,7 @@ class ExtractOrder(BaseModel):
 
 
 class SpeculationReport(BaseModel):
-    """How speculative decoding did in one job."""
+    """How speculative decoding did in one job (no engine drafts yet: always absent)."""
 
     mode: Speculation
     drafted: int = 0

@@ -57,23 +57,9 @@ class WorkerSettings(BaseModel):
     # Tokens decoded within this window are published together: fewer wake-ups of Redis,
     # the API and clients, whose CPU time a small machine would otherwise take from decoding.
     stream_interval_ms: int = Field(50, ge=0, le=1000)
-    # Questions of one extraction decoded together (more wait for the next wave). Each adds
-    # a sequence to the context; KV cells are shared, so memory grows only with their tokens.
-    max_sequences: int = Field(16, ge=1, le=63)
-    # Past outputs, an n-gram index speculative decoding drafts from (SQLite; local disk,
-    # shared by the workers of one host). None: `<data_dir>/drafts.sqlite3`.
-    draft_archive: Path | None = None
-    draft_archive_max_bytes: int = Field(64 * 1024**2, ge=1024**2)
-    # True (default): greedy output with drafting is plain decoding's, so a job's answer does
-    # not depend on whether or when it drafted: a verified row whose top two logits nearly
-    # tie is decided again one token at a time (worker/speculation/near_tie.py). On 2-core CPUs
-    # those replays cost about what drafting saves (docs/BENCHMARKS.md). False takes such rows as
-    # the batch computed them: copy-heavy answers decode much faster, but greedy output can
-    # part from plain decoding where two tokens nearly tie.
-    speculation_exact: bool = True
     # Jobs one worker serves at once (the Conclave, worker/conclave/): their tokens are decoded
     # together, one llama_decode per step, and a new prompt is prefilled a chunk at a time
-    # between steps. 1: one job at a time on the one-job engine (speculation needs it).
+    # between steps. 1: one job at a time (a warm job then steps aside for a waiting job).
     max_active_jobs: int = Field(8, ge=1, le=48)
     # Sequences of the Conclave's context (None: max_active_jobs + 4), each with a KV buffer of
     # n_ctx cells of its own: memory is sequences x n_ctx x the model's KV bytes per token.
@@ -82,7 +68,7 @@ class WorkerSettings(BaseModel):
     # True: a job's greedy output does not depend on what is decoded beside it. With kernels
     # whose batched rows equal lone ones (the wheel `make install` builds; checked at start,
     # worker/conclave/row_check.py) that holds as it is. Otherwise a greedy row whose top two
-    # logits nearly tie is decided again alone (worker/speculation/near_tie.py); False skips
+    # logits nearly tie is decided again alone (worker/conclave/near_tie.py); False skips
     # those replays: faster, but such rows can differ from a lone run's.
     exact_batching: bool = True
 
@@ -100,10 +86,8 @@ class RoutingSettings(BaseModel):
 class JobSettings(BaseModel):
     default_max_tokens: int = Field(256, gt=0)
     result_ttl_s: int = Field(86_400, gt=0)
-    # For requests that do not say. Off: on the 2-core machines measured (docs/BENCHMARKS.md)
-    # `auto` with exact greedy output was slower than `off` on most workloads, and its decode
-    # loop costs the job path a few percent; without exactness it pays on copy-heavy answers
-    # but greedy output can change at near ties. `auto` drafts for greedy requests only.
+    # For requests that do not say. Accepted, not applied: no engine drafts today (issue 33,
+    # item 2: drafting inside the Conclave's shared steps).
     speculation: Literal["auto", "on", "off"] = "off"
 
 

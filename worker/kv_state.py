@@ -1,8 +1,8 @@
 """Copying one sequence's KV state out of a llama.cpp context and back in.
 
 A snapshot is taken right after prefill, so it holds the prompt's cells and nothing else;
-only the disk write happens later, on another thread. The one-job engine uses sequence 0; the
-Conclave (worker/conclave/) any of its sequences.
+only the disk write happens later, on another thread. The Conclave (worker/conclave/) restores
+into any of its sequences (`restore_into`); `restore` loads a plain Llama's sequence 0.
 """
 
 from __future__ import annotations

@@ -14,14 +14,17 @@ So a prompt without a declared document prefix also ends chunks where prompts pa
 - at the end of each stretch followed by at least `MIN_TAIL` more tokens: where a document
   sent as a message of its own (a system message, as OpenAI clients send it) is followed by
   a short question in the next one. Without it the next question shared the document only up
-  to its last block boundary and read the rest again. The last message's end is followed only by the template's turn markers, fewer
-  than `MIN_TAIL`: no chunk would be worth its pass there.
+  to its last block boundary and read the rest again. The last message's end is followed only
+  by the template's turn markers, fewer than `MIN_TAIL`: no chunk would be worth its pass there.
 
 Only stretches of at least `MIN_STRETCH` tokens count (a role name or a short reply is not
 worth a chunk of its own), and a point closer than `MIN_STRETCH` to the prompt's start or to
 the stretch's start is no break. Each break costs one more pass of prefill (a shorter chunk);
 there are at most three per long stretch. The points depend on the prompt's tokens alone,
 never on what is cached, so greedy output is the same with the cache as without it.
+
+A prompt with a declared shared prefix (a document) has that prefix's end as its one break
+instead (`prompt_breaks`).
 """
 
 from __future__ import annotations
@@ -102,3 +105,17 @@ def _close_stretch(breaks: set[int], start: int, last_paragraph: int | None, end
     breaks.add(start)
     if last_paragraph is not None and last_paragraph - start >= MIN_STRETCH:
         breaks.add(last_paragraph)
+
+
+def prompt_breaks(
+    llama: Llama, tokens: list[int], boundary: int | None, *ends: int | None, limit: int
+) -> tuple[int, ...]:
+    """A prompt's chunk ends besides the block grid: its declared prefix's end `boundary`, or
+    without one, where its own text shows prompts part (`content_breaks`); and `ends`."""
+    found = (boundary,) if boundary is not None else content_breaks(llama, tokens)
+    return chunk_breaks(*found, *ends, limit=limit)
+
+
+def chunk_breaks(*ends: int | None, limit: int) -> tuple[int, ...]:
+    """The given chunk ends inside (0, limit), sorted, once each."""
+    return tuple(sorted({end for end in ends if end is not None and 0 < end < limit}))

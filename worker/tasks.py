@@ -16,7 +16,7 @@ from rq import get_current_job
 from rq.job import Job
 
 from shared import keys
-from shared.job_metrics import record_job, record_speculation
+from shared.job_metrics import record_job
 from shared.job_store import JobStore
 from shared.prefix_cache import CounterPublisher
 from shared.prefix_usage import PrefixUsage
@@ -30,7 +30,6 @@ from shared.schemas import (
     JobResult,
     JobStatus,
     ResultKey,
-    SpeculationReport,
     Timings,
     Usage,
     WarmOrder,
@@ -38,10 +37,8 @@ from shared.schemas import (
     WorkOrder,
 )
 from shared.warm_runs import WarmRuns
-from worker.conclave import questions
 from worker.conclave.engine import ConclaveEngine
-from worker.engine import Engine, Generation
-from worker.extraction import Extracted, extract
+from worker.outcomes import Extracted, Generation
 from worker.resume import NOTHING, Streamed, read_back
 from worker.token_publisher import TokenPublisher
 
@@ -56,7 +53,7 @@ class Runtime:
 
     def __init__(
         self,
-        engine: Engine | ConclaveEngine,
+        engine: ConclaveEngine,
         redis: Redis,
         store: JobStore,
         warm_runs: WarmRuns,
@@ -64,6 +61,7 @@ class Runtime:
         waiter: RedisWaiter,
         counters: CounterPublisher | None = None,
         results: ResultCache | None = None,
+        warm_steps_aside: bool = False,
     ) -> None:
         self.engine = engine
         self._redis = redis
@@ -75,6 +73,8 @@ class Runtime:
         self._stream_interval_s = stream_interval_s
         self._counters = counters
         self._results = results
+        # One job at a time: a warm job holds the only slot, so it gives way to waiting jobs.
+        self._warm_steps_aside = warm_steps_aside
 
     def run(self, job_id: str) -> None:
         """A generation job: one prompt, one answer."""
@@ -89,8 +89,7 @@ class Runtime:
             generation.usage,
             generation.timings,
             generation.result,
-            generation.speculation,
-            self._storable(order.result_key, generation.reproducible, generation.speculation),
+            order.result_key if generation.reproducible else None,
         )
         if order.document is not None and generation.prefix_tokens is not None:
             record = partial(
@@ -109,10 +108,8 @@ class Runtime:
             return
         order, done = outcome
         cancelled = any(a.finish_reason == "cancelled" for a in done.result.answers.values())
-        key = self._storable(order.result_key, done.reproducible, done.speculation)
-        self._finish(
-            job_id, cancelled, done.usage, done.timings, done.result, done.speculation, key
-        )
+        key = order.result_key if done.reproducible else None
+        self._finish(job_id, cancelled, done.usage, done.timings, done.result, key)
         self._waiter.call(
             lambda: self._record_prefix_use(
                 order.document, order.cache_namespace, done.usage, done.prefix_tokens
@@ -123,18 +120,14 @@ class Runtime:
         self, job_id: str, publisher: TokenPublisher, streamed: Streamed
     ) -> tuple[WorkOrder, Generation]:
         order = self._waiter.call(lambda: self.store.order(job_id, WorkOrder))
-        if isinstance(self.engine, ConclaveEngine):
-            tokens = streamed.of(None)
-            return order, self.engine.generate(order, publisher.token, tokens, _priority())
-        return order, self.engine.generate(order, publisher.token, streamed.of(None))
+        tokens = streamed.of(None)
+        return order, self.engine.generate(order, publisher.token, tokens, _priority())
 
     def _extract(
         self, job_id: str, publisher: TokenPublisher, streamed: Streamed
     ) -> tuple[ExtractOrder, Extracted]:
         order = self._waiter.call(lambda: self.store.order(job_id, ExtractOrder))
-        if isinstance(self.engine, ConclaveEngine):
-            return order, questions.extract(self.engine, order, publisher, streamed, _priority())
-        return order, extract(self.engine, order, publisher, streamed)
+        return order, self.engine.extract(order, publisher, streamed, _priority())
 
     def _execute(self, job_id: str, work: Work[Outcome]) -> Outcome | None:
         """Start the job and run `work`; a failure fails the job, never the worker."""
@@ -163,8 +156,7 @@ class Runtime:
         return found
 
     def _fail(self, job_id: str, exc: Exception) -> None:
-        log.exception("job %s failed", job_id)
-        self.engine.forget()  # its memory may be half-written: the next job starts clean
+        log.exception("job %s failed", job_id)  # its streams' half-written cells are dropped
         error = f"{type(exc).__name__}: {exc}"
         self._waiter.call(lambda: self.store.finish(job_id, JobStatus.FAILED, error=error))
 
@@ -175,12 +167,11 @@ class Runtime:
         usage: Usage,
         timings: Timings,
         result: JobResult | ExtractionResult,
-        speculation: SpeculationReport | None = None,
         result_key: ResultKey | None = None,
     ) -> None:
-        record = partial(
-            self._record, job_id, cancelled, usage, timings, result, speculation, result_key
-        )
+        """`result_key`: where to store the result, None when the run's output may depend on
+        what ran beside it (decided beside other rows without exactness for them)."""
+        record = partial(self._record, job_id, cancelled, usage, timings, result, result_key)
         self._waiter.call(record)
 
     def _record(
@@ -190,7 +181,6 @@ class Runtime:
         usage: Usage,
         timings: Timings,
         result: JobResult | ExtractionResult,
-        speculation: SpeculationReport | None,
         result_key: ResultKey | None,
     ) -> None:
         """The finish script ends a job once; repeating this after a failure re-stores nothing
@@ -204,7 +194,6 @@ class Runtime:
             status,
             result=None if isinstance(result, ExtractionResult) else result,
             extraction=result if isinstance(result, ExtractionResult) else None,
-            speculation=speculation,
             usage=usage,
             timings=timings,
         )
@@ -212,22 +201,8 @@ class Runtime:
         if result_key is not None and not cancelled and not usage.resumed_tokens:
             self._store_result(job_id, result_key, result, usage)
         record_job(self._redis, usage, timings)
-        if speculation is not None:
-            record_speculation(self._redis, speculation)
         if self._counters is not None:
             self._counters.publish()
-
-    def _storable(
-        self, key: ResultKey | None, reproducible: bool, speculation: SpeculationReport | None
-    ) -> ResultKey | None:
-        """The key to store a finished run under; None when its output may not be what a run
-        of the same request gives: tokens decided beside other rows (a busy Conclave without
-        exactness for them), or drafted without tie replays (decided by timing)."""
-        speculator = self.engine.speculator
-        inexact_drafting = speculator is not None and not speculator.exact
-        if inexact_drafting and speculation is not None and speculation.drafted > 0:
-            return None
-        return key if reproducible else None
 
     def _store_result(
         self, job_id: str, key: ResultKey, result: JobResult | ExtractionResult, usage: Usage
@@ -257,11 +232,7 @@ class Runtime:
         order = self._waiter.call(lambda: store.order(job_id, WarmOrder))
         before = self._waiter.call(lambda: store.get(job_id).warm)
         try:
-            if isinstance(self.engine, ConclaveEngine):
-                stop = partial(self._cancel_requested, job_id)
-                outcome = self.engine.warm(order, stop)
-            else:
-                outcome = self.engine.warm(order, lambda: self._should_yield(job_id))
+            outcome = self.engine.warm(order, partial(self._should_stop_warm, job_id))
         except Exception as exc:
             self._fail(job_id, exc)
             self._waiter.call(lambda: self._warm_runs.done(order.item, order.cache_namespace))
@@ -286,18 +257,12 @@ class Runtime:
         if self._counters is not None:
             self._counters.publish()
 
-    def _cancel_requested(self, job_id: str) -> bool:
+    def _should_stop_warm(self, job_id: str) -> bool:
+        """While a warm job prefills: was it cancelled, or (stepping aside) does a job wait?"""
         try:
-            return self.store.cancel_requested(job_id)
-        except REDIS_DOWN as exc:  # warm on; the next poll asks again
-            self._waiter.failed(exc)
-            return False
-
-    def _should_yield(self, job_id: str) -> bool:
-        """Between chunks of warm prefill: is anyone waiting, or was the job cancelled?"""
-        try:
-            waiting = any(queue(self._redis, name).count for name in QUEUES[:-1])
-            stop = waiting or self.store.cancel_requested(job_id)
+            stop = self.store.cancel_requested(job_id)
+            if self._warm_steps_aside and not stop:
+                stop = any(queue(self._redis, name).count for name in QUEUES[:-1])
         except REDIS_DOWN as exc:  # nobody can be told to wait now: warm on
             self._waiter.failed(exc)
             return False

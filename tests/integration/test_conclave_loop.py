@@ -13,9 +13,10 @@ from shared.settings import Settings
 from tests.conftest import DATA_DIR
 from worker.conclave.engine import ConclaveEngine
 from worker.conclave.loop import Conclave
-from worker.conclave.streams import Ended, Sampling, StreamHandle, StreamRequest, Token
-from worker.main import build_conclave, warm_up
-from worker.multi_sequence import load_multi_sequence_llama
+from worker.conclave.streams import Ended, StreamHandle, StreamRequest, Token
+from worker.main import build_conclave
+from worker.model import load_model, warm_up
+from worker.sampling import Sampling
 
 # Free text on the smallest model: near ties come every few tokens, so batches meet them.
 CHATS = [
@@ -111,7 +112,7 @@ def test_near_ties_replay_at_most_once_where_rows_differ(
 def test_the_start_up_decodes_on_the_thread_that_serves_and_its_failure_is_raised() -> None:
     """One thread decodes, the warm-up and row check included: a decode on another thread
     leaves llama.cpp an OpenMP team there that slowed every later decode (~1.4x on 2 cores)."""
-    llama = load_multi_sequence_llama(SETTINGS, 2, n_ctx=2 * SETTINGS.n_ctx, unified=False)
+    llama = load_model(SETTINGS, 2)
     seen: list[threading.Thread] = []
 
     def conclave(startup: Callable[[], bool]) -> Conclave:

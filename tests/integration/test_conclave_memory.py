@@ -14,7 +14,7 @@ from tests.conftest import DATA_DIR
 from worker import kv_state
 from worker.conclave.memory import Memory, Resident, Reuse
 from worker.decode_batch import fill_batch, llama_batch
-from worker.multi_sequence import load_multi_sequence_llama
+from worker.model import load_model
 
 N_SEQ = 6
 N_CTX = 256
@@ -29,7 +29,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def llama() -> Iterator[Llama]:
     settings = Settings(model="smollm2-135m", data_dir=DATA_DIR, n_ctx=N_CTX)
-    built = load_multi_sequence_llama(settings, N_SEQ, n_ctx=N_SEQ * N_CTX, unified=False)
+    built = load_model(settings, N_SEQ)
     yield built
     built.close()
 

@@ -205,14 +205,11 @@ def test_health_and_readiness(stack: Stack) -> None:
     assert ready.status_code == 200 and ready.json()["workers"] == 1
 
 
-# Drafting without tie replays decides by timing: its re-run could not repeat the first run.
-SPECULATING = {
-    "jobs": {"speculation": "auto"},
-    "worker": {"speculation_exact": False, "max_active_jobs": 1},
-}
+# The Conclave with one active job, as `max_active_jobs = 1` runs it.
+ONE_AT_A_TIME = {"worker": {"max_active_jobs": 1}}
 
 
-@pytest.mark.parametrize("overrides", [{}, SPECULATING], ids=["plain", "speculating"])
+@pytest.mark.parametrize("overrides", [{}, ONE_AT_A_TIME], ids=["plain", "one-at-a-time"])
 def test_killed_worker_job_completes_on_another(
     stack_factory: Callable[..., Stack], overrides: dict[str, Any]
 ) -> None:

@@ -1,7 +1,7 @@
 """The disk prefix cache under the real engine: warm output is cold output, bit for bit.
 
-Each model's memory is wiped between runs (`forget`), so only the disk cache can help; cold
-runs use an engine without a cache.
+Memory is wiped between runs (`forget`), so only the disk cache can help; cold runs use an
+engine without a cache. Both are the Conclave as a worker builds it, one job at a time.
 """
 
 from __future__ import annotations
@@ -12,17 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from shared.llm import load_llama, tokenize
-from shared.prefix_cache import PrefixCache, common_prefix_len, open_cache
+from shared.llm import tokenize
+from shared.prefix_cache import PrefixCache, common_prefix_len
 from shared.prefix_cache.eviction import Stored
 from shared.prefix_cache.format import Header
 from shared.schemas import JobRequest, WarmItem, WarmOrder, WarmResult, WorkOrder
 from shared.settings import Settings
 from shared.submission import work_order_for
 from tests.conftest import DATA_DIR
-from worker.engine import Engine, Generation, memory_is_truncatable
+from worker.conclave.engine import ConclaveEngine
+from worker.main import build_conclave
+from worker.outcomes import Generation
 from worker.prefix_saver import PrefixSaver
-from worker.speculation import Speculator
 
 BLOCK = 64
 DOC = " ".join(f"Crate {i} holds {i * 7 % 13} pears for shop {i % 5}." for i in range(24))
@@ -36,25 +37,25 @@ CASES = {
 
 class Models:
     def __init__(self, model: str, cache_dir: Path) -> None:
-        self.settings = Settings(
-            model=model,
-            data_dir=DATA_DIR,
-            n_ctx=1024,
-            cache={"dir": cache_dir, "block_tokens": BLOCK, "min_tokens": 16},
-        )
-        self.llama = load_llama(self.settings)
-        self.cache = open_cache(self.settings, truncatable=memory_is_truncatable(self.llama))
-        self.saver = PrefixSaver()
-        # Speculation on either side (when a request asks): drafts depend only on the prompt,
-        # the output and the logits, so identical cells still give identical output.
-        self.warm = Engine(self.llama, BLOCK, self.cache, self.saver, 16, Speculator(None, "t"))
-        self.cold = Engine(self.llama, BLOCK, speculator=Speculator(None, "t"))
+        self.settings = _settings(model, {"dir": cache_dir})
+        self.warm = build_conclave(self.settings)
+        self.cold = build_conclave(_settings(model, {"enabled": False}))
+        self.llama = self.warm.llama
+        assert self.warm.cache is not None and self.warm.saver is not None
+        self.cache: PrefixCache = self.warm.cache
+        self.saver: PrefixSaver = self.warm.saver
         self._cold_runs: dict[str, Generation] = {}
 
-    def run(self, engine: Engine, prompt: str | JobRequest, max_tokens: int = 32) -> Generation:
+    def close(self) -> None:
+        self.warm.close()
+        self.cold.close()
+
+    def run(
+        self, engine: ConclaveEngine, prompt: str | JobRequest, max_tokens: int = 32
+    ) -> Generation:
         return self.generate(engine, self.order(prompt, max_tokens))
 
-    def generate(self, engine: Engine, order: WorkOrder) -> Generation:
+    def generate(self, engine: ConclaveEngine, order: WorkOrder) -> Generation:
         """A cold run has no cache and starts from empty memory: the same order gives the same
         run (a greedy one whatever its seed), so the tests' reference for an order is computed
         once."""
@@ -65,7 +66,7 @@ class Models:
             self._cold_runs[key] = self._generate(engine, order)
         return self._cold_runs[key]
 
-    def _generate(self, engine: Engine, order: WorkOrder) -> Generation:
+    def _generate(self, engine: ConclaveEngine, order: WorkOrder) -> Generation:
         engine.forget()
         generation = engine.generate(order, lambda _i, _t: False)
         self.saver.flush()
@@ -80,6 +81,16 @@ class Models:
         return work_order_for(self.llama, request, n_ctx=1024, default_max_tokens=max_tokens)
 
 
+def _settings(model: str, cache: dict[str, object]) -> Settings:
+    return Settings(
+        model=model,
+        data_dir=DATA_DIR,
+        n_ctx=1024,
+        cache={"block_tokens": BLOCK, "min_tokens": 16, **cache},
+        worker={"max_active_jobs": 1},
+    )
+
+
 # Qwen: its logits move with the shape of the pass a cell was computed in (docs/BENCHMARKS.md,
 # "Why prefill runs in canonical chunks"), so a restore that ends where the cold prefill did not
 # end a chunk shows as different text. Gemma-3: a sliding window, whose states cannot be cut
@@ -92,8 +103,7 @@ def models(
 ) -> Iterator[Models]:
     m = Models(request.param, tmp_path_factory.mktemp("kv"))
     yield m
-    m.saver.close()
-    m.llama.close()
+    m.close()
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -129,8 +139,7 @@ def test_a_restored_state_from_another_model_falls_back_to_prefill(
         # Forge an entry in this model's namespace carrying the other model's state.
         assert models.cache.save(tokens, foreign_blob)
     finally:
-        other.saver.close()
-        other.llama.close()
+        other.close()
     cold = models.run(models.cold, BASE)
     hits = models.cache.counters()["hits"]
     warm = models.run(models.warm, BASE)
@@ -158,11 +167,12 @@ INSTRUCTIONS = "Answer from the document only, briefly."
 QUESTIONS = ["Which crates belong to shop 3?", "How many pears are in crate 5?"]
 SAMPLED = {"temperature": 0.9, "top_p": 0.9, "seed": 7}
 # The reference system's bug: its speculative path returned before consulting the prefix cache.
+# (Accepted, not applied today: issue 33.)
 SPECULATIVE = {"speculation": "on"}
 
 
 def ask(
-    models: Models, engine: Engine, question: str, document: str = DOC, **sampling: object
+    models: Models, engine: ConclaveEngine, question: str, document: str = DOC, **sampling: object
 ) -> Generation:
     body = {"temperature": 0, **sampling}
     request = JobRequest.model_validate(
@@ -174,11 +184,15 @@ def ask(
 
 
 def warm(
-    models: Models, should_yield: Callable[[], bool] = lambda: False, document: str = DOC
+    models: Models,
+    should_stop: Callable[[], bool] = lambda: False,
+    document: str = DOC,
+    forget: bool = True,
 ) -> WarmResult:
-    models.warm.forget()
+    if forget:
+        models.warm.forget()
     item = WarmItem(document=document, instructions=INSTRUCTIONS)
-    return models.warm.warm(WarmOrder(item=item), should_yield)
+    return models.warm.warm(WarmOrder(item=item), should_stop)
 
 
 @pytest.mark.parametrize(
@@ -198,8 +212,6 @@ def test_warmed_document_restores_in_full_and_answers_as_cold(
         hot = ask(models, models.warm, question, **sampling)
         assert hot.usage.cached_tokens == result.prefix_tokens == hot.prefix_tokens
         assert hot.result.text == cold.result.text
-        if "speculation" in sampling:
-            assert hot.speculation is not None and hot.speculation.mode == "on"
 
 
 def test_a_question_leaves_the_document_for_the_next(models: Models) -> None:
@@ -219,8 +231,8 @@ def test_a_warm_job_that_steps_aside_resumes_where_it_stopped(models: Models) ->
     asked: list[int] = []
     first = warm(models, lambda: asked.append(1) is None)  # someone is always waiting
     assert first.yielded == 1 and len(asked) == 1
-    assert 0 < first.warmed_tokens < first.prefix_tokens  # stopped after one chunk
-    second = warm(models)
+    assert 0 < first.warmed_tokens < first.prefix_tokens  # stopped at a chunk end
+    second = warm(models, forget=False)  # its cells wait in memory
     assert second.cached_tokens == first.warmed_tokens and not second.already_cached
     assert second.cached_tokens + second.warmed_tokens == second.prefix_tokens
     hot = ask(models, models.warm, QUESTIONS[0])

@@ -13,13 +13,13 @@ from tests.conftest import DATA_DIR
 from worker.conclave.row_check import PAST_PADDED_WINDOW, batched_rows_equal_lone, row_counts
 from worker.kernels import exact_rows, prompt_chunk_kernels
 from worker.main import build_conclave
-from worker.multi_sequence import load_multi_sequence_llama
+from worker.model import load_model
 
 
 @contextlib.contextmanager
 def loaded(model: str, n_seq: int) -> Iterator[Llama]:
     settings = Settings(model=model, data_dir=DATA_DIR, n_ctx=512)
-    llama = load_multi_sequence_llama(settings, n_seq, n_ctx=n_seq * settings.n_ctx, unified=False)
+    llama = load_model(settings, n_seq)
     try:
         yield llama
     finally:

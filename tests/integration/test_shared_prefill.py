@@ -14,8 +14,8 @@ from shared.settings import Settings
 from tests.conftest import DATA_DIR
 from worker.conclave.engine import ConclaveEngine
 from worker.conclave.streams import Ended, Started, StreamHandle, StreamRequest, Token
-from worker.engine import prompt_breaks
 from worker.main import build_conclave
+from worker.prompt_breaks import prompt_breaks
 
 QUESTIONS = [
     "Which shelf holds the most crates?",

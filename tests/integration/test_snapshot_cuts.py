@@ -19,16 +19,15 @@ from shared.llm import render_prompt, tokenize
 from shared.prefix_cache import PrefixCache, first_cells, open_cache, parse_state
 from shared.schemas import JobRequest
 from shared.settings import Settings
-from shared.submission import work_order_for
 from tests.conftest import DATA_DIR
 from worker import kv_state
+from worker.chunk_ends import snapshot_points
 from worker.conclave.loop import Conclave
 from worker.conclave.streams import Ended, Event, Started, StreamHandle, StreamRequest, Token
 from worker.decode_batch import fill_batch, llama_batch
-from worker.engine import Engine, prompt_breaks, snapshot_points
-from worker.main import warm_up
-from worker.multi_sequence import load_multi_sequence_llama
+from worker.model import load_model, warm_up
 from worker.prefix_saver import PrefixSaver
+from worker.prompt_breaks import prompt_breaks
 
 N_CTX = 2048
 N_SEQ = 3
@@ -52,7 +51,7 @@ def settings(tmp_path: Path, flash_attn: bool = False) -> Settings:
 def load(tmp_path: Path, flash_attn: bool = False) -> Llama:
     """A context laid out as the Conclave's: a KV buffer per sequence."""
     config = settings(tmp_path, flash_attn)
-    return load_multi_sequence_llama(config, N_SEQ, n_ctx=N_SEQ * N_CTX, unified=False)
+    return load_model(config, N_SEQ)
 
 
 def prefill(llama: Llama, tokens: list[int], start: int, seq: int = 0) -> None:
@@ -237,32 +236,3 @@ def test_a_prefill_cancelled_midway_saves_the_points_it_passed(
         hit = cache.lookup(long.tokens[: point + 1], breaks=[b for b in long.breaks if b <= point])
         assert hit is not None and hit.n_tokens == point
     saver.close()
-
-
-def test_the_one_job_engine_also_captures_after_the_first_token(tmp_path: Path) -> None:
-    config = settings(tmp_path)
-    llama = load_multi_sequence_llama(config, 2)  # as build_one_job_engine loads it
-    seen: list[str] = []
-    saver = RecordingSaver(seen)
-    engine = Engine(llama, 256, open_cache(config), saver, 32)
-    text = f"{INVENTORY}\n\nWhich crate holds 31 plums?"
-    job = JobRequest(
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
-        max_tokens=4,
-        temperature=0,
-    )
-    order = work_order_for(llama, job, n_ctx=N_CTX, default_max_tokens=4)
-
-    def on_token(_index: int | None, _text: str) -> bool:
-        seen.append("token")
-        return False
-
-    cold = engine.generate(order, on_token)
-    saver.flush()
-    assert seen[0] == "token" and seen.count("capture") == 1, seen
-    engine.forget()  # memory empty: the next run restores the cut state from disk
-    warm = engine.generate(order, lambda _i, _t: False)
-    assert warm.usage.cached_tokens == warm.usage.prompt_tokens - 1
-    assert warm.result.text == cold.result.text
-    saver.close()
-    llama.close()

@@ -92,7 +92,8 @@ def test_a_scheduled_run_warms_the_whole_document(
 
 
 def test_warm_jobs_step_aside_for_interactive_ones(stack_factory: Callable[..., Stack]) -> None:
-    # The one-job engine steps aside; in the Conclave a warm job shares the turns instead.
+    # One job at a time: the warm job holds the only slot, so it steps aside at a chunk end and
+    # is queued again (with more slots it shares the Conclave's turns instead).
     stack = stack_factory(cache=CACHE, n_ctx=2048, worker={"max_active_jobs": 1})
     document = INVOICE * 2  # ~500 tokens: several 64-token chunks of warm prefill
     run = httpx.post(f"{stack.url}/v1/warm", json={"document": document, **_fields()}).json()

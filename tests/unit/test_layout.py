@@ -43,16 +43,6 @@ def test_processes_do_not_import_each_other_nor_the_cli() -> None:
         assert sideways == [], package
 
 
-def test_speculation_does_not_import_the_rest_of_the_worker() -> None:
-    inward = [
-        (p, m)
-        for p, m in _imports("worker/speculation")
-        if m.startswith("worker.") and not m.startswith("worker.speculation")
-    ]
-    allowed = {"worker.decode_batch"}  # filling a llama_batch, shared by every batch builder
-    assert [(p, m) for p, m in inward if m not in allowed] == []
-
-
 def _queue_literals(path: Path) -> list[str]:
     """Queue names written as literals where a queue is meant: arguments of the calls that
     take one, and `queue_name=`. ("batch" and "warm" are also commands and job kinds.)"""

@@ -1,8 +1,9 @@
-"""Jobs over the Conclave: what `worker.engine.Engine` does for one job, for many at once.
+"""The engine every job runs on: generation, extraction and warm jobs as Conclave streams.
 
-Each job runs on its own thread (worker/conclave/worker.py). It tokenizes, submits streams to
-the Conclave and turns the tokens it gets back into text, usage and timings, exactly as the
-one-job engine does; only the model thread touches the model's memory.
+Each job runs on its own thread (worker/worker.py ConclaveWorker); `max_active_jobs = 1` is
+the same engine with one job at a time. A job tokenizes, submits streams to the Conclave and
+turns the tokens it gets back into text, usage and timings; only the model thread touches the
+model's memory.
 """
 
 from __future__ import annotations
@@ -10,91 +11,72 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 from llama_cpp import Llama
 
-from shared.errors import CacheDisabled
-from shared.llm import tokenize_parts
+from shared.errors import CacheDisabled, ContextOverflow
+from shared.llm import render_warm, tokenize_parts
 from shared.prefix_cache import PrefixCache
 from shared.prefix_usage import document_prefix_id, prefix_id
-from shared.schemas import JobResult, Timings, Usage, WarmOrder, WarmResult, WorkOrder
+from shared.schemas import (
+    ExtractOrder,
+    JobResult,
+    Timings,
+    Usage,
+    WarmOrder,
+    WarmResult,
+    WorkOrder,
+)
+from worker.answers import Decoded, OnToken, TextSink, end_text
+from worker.conclave import questions
 from worker.conclave.loop import Conclave
 from worker.conclave.streams import (
     WARM,
     Ended,
-    Event,
-    Failed,
-    Sampling,
-    Started,
     StreamHandle,
     StreamRequest,
+    expect,
+    wait_ended,
+    wait_started,
 )
-from worker.engine import (
-    Decoded,
-    Generation,
-    OnToken,
-    TextSink,
-    end_text,
-    prompt_breaks,
-    warm_result,
-    warm_target,
-)
+from worker.outcomes import Extracted, Generation, warm_result
 from worker.prefix_saver import PrefixSaver
-from worker.resume import text_stream
+from worker.prompt_breaks import prompt_breaks
+from worker.resume import NOTHING, Streamed, text_stream
+from worker.sampling import Sampling
+from worker.token_publisher import TokenPublisher
 
-# How often a warm job that waits for its prefill asks whether it was cancelled.
-WARM_POLL_S = 1.0
-
-
-class StreamFailed(RuntimeError):
-    """The model thread could not serve a stream (its error is the cause)."""
-
-
-def expect(event: Event | None) -> Event | None:
-    """Raise what the model thread reported instead of an event."""
-    if isinstance(event, Failed):
-        raise StreamFailed(str(event.error)) from event.error
-    return event
-
-
-def wait_started(handle: StreamHandle) -> Started:
-    event = expect(handle.next())
-    assert isinstance(event, Started), event
-    return event
+# How often a warm job waiting for its prefill asks whether it should stop (cancelled, or
+# stepping aside): a stop takes effect at the next chunk end after that.
+WARM_POLL_S = 0.1
 
 
 class ConclaveEngine:
-    """The interface `worker.tasks.Runtime` uses, with jobs served side by side."""
-
-    # Warm jobs need not step aside: their prefill is interleaved like any other.
-    warm_yields = False
-    speculator = None
+    """The interface `worker.tasks.Runtime` uses: generate, extract, warm."""
 
     def __init__(
         self,
         llama: Llama,
         conclave: Conclave,
         n_ctx: int,
-        chunk_tokens: int,
-        cache_for: Callable[[str | None], PrefixCache | None],
         cache: PrefixCache | None,
         saver: PrefixSaver | None,
     ) -> None:
         self.llama = llama
         self.conclave = conclave
         self.n_ctx = n_ctx  # the per-request limit; the pool is the conclave's
-        self.chunk_tokens = chunk_tokens
-        self.cache_for = cache_for
         self.cache = cache
-        self._saver = saver
+        self.saver = saver
 
     def close(self) -> None:
         self.conclave.close()
-        if self._saver is not None:
-            self._saver.close()
+        if self.saver is not None:
+            self.saver.close()
 
     def forget(self) -> None:
-        """A failed stream's sequence is dropped by the model thread itself."""
+        """Drop what memory holds idle: the next job starts from the disk cache or cold."""
+        self.conclave.forget()
 
     def generate(
         self,
@@ -103,8 +85,10 @@ class ConclaveEngine:
         streamed: Sequence[int] = (),
         priority: int = 0,
     ) -> Generation:
+        """Answer `order`; `streamed`: tokens an earlier attempt published, taken as given."""
         started = time.perf_counter()
         tokens, boundary = tokenize_parts(self.llama, order.prompt)
+        # Streamed tokens are prefilled after the prompt, which ends a chunk as it would alone.
         held = [*tokens, *streamed]
         resumed_from = len(tokens) - 1 if streamed else None
         max_tokens = min(order.max_tokens, self.n_ctx - len(tokens))
@@ -129,7 +113,7 @@ class ConclaveEngine:
         handle = self.conclave.handle(request, lambda event: sink.push(event.token))
         with self.conclave.submit(handle):
             begun = wait_started(handle)
-            ended = _wait_ended(handle)
+            ended = wait_ended(handle)
         end_text(text, decoded, on_token)
         if ended.reason == "stop" and decoded.finish_reason == "length":
             decoded.finish_reason = "stop"  # the model's end-of-generation token
@@ -143,8 +127,27 @@ class ConclaveEngine:
         generation = _generation(decoded, usage, boundary, timings)
         return replace(generation, reproducible=not ended.drifted)
 
+    def extract(
+        self,
+        order: ExtractOrder,
+        publisher: TokenPublisher,
+        streamed: Streamed = NOTHING,
+        priority: int = 0,
+    ) -> Extracted:
+        """Answer every question about one document (worker/conclave/questions.py)."""
+        return questions.extract(
+            self.conclave, self.llama, self.n_ctx, order, publisher, streamed, priority
+        )
+
     def warm(self, order: WarmOrder, should_stop: Callable[[], bool]) -> WarmResult:
-        """Compute a prefix into the cache (see Engine.warm), at the lowest priority."""
+        """Compute a prefix and write its state to the cache, unless it is there already.
+
+        A document is computed up to its end, anything else up to its last-but-one token:
+        exactly the state a later request restores in full. It is read at the lowest priority;
+        once `should_stop` says so (cancelled, or another job needs its room) it stops at the
+        next chunk end and reports how far it got: its cells stay in memory, where running it
+        again resumes.
+        """
         if self.cache is None:
             raise CacheDisabled("the prefix cache is disabled: there is nowhere to warm into")
         target = warm_target(self.llama, order, self.n_ctx)
@@ -164,9 +167,30 @@ class ConclaveEngine:
         with self.conclave.submit(self.conclave.handle(request)) as handle:
             cached = min(wait_started(handle).cached_tokens, target.end)
             reached = _wait_prefilled(handle, should_stop)
-        if self._saver is not None:
-            self._saver.flush()  # "warmed" means a request arriving now finds it on disk
+        if self.saver is not None:
+            self.saver.flush()  # "warmed" means a request arriving now finds it on disk
         return warm_result(target.end, cached, reached)
+
+
+class WarmTarget(NamedTuple):
+    """A warm job's tokens, where its state ends, and its chunk ends (see prompt_breaks)."""
+
+    tokens: list[int]
+    end: int
+    breaks: tuple[int, ...]
+    declared: bool
+
+
+def warm_target(llama: Llama, order: WarmOrder, n_ctx: int) -> WarmTarget:
+    """A document's end, else the last-but-one token (what a later request restores whole)."""
+    tokens, boundary = tokenize_parts(llama, render_warm(llama, order.item))
+    if len(tokens) >= n_ctx:
+        raise ContextOverflow(f"the prefix is {len(tokens)} tokens; n_ctx is {n_ctx}")
+    limit = len(tokens) - 1
+    breaks = prompt_breaks(llama, tokens, boundary, limit=limit)
+    if boundary is None:
+        return WarmTarget(tokens, limit, breaks, declared=False)
+    return WarmTarget(tokens, boundary, breaks, declared=True)
 
 
 def _document(order: WorkOrder, boundary: int | None) -> tuple[str, int] | None:
@@ -176,21 +200,17 @@ def _document(order: WorkOrder, boundary: int | None) -> tuple[str, int] | None:
     return document_prefix_id(order.document, order.cache_namespace), boundary
 
 
-def _wait_ended(handle: StreamHandle) -> Ended:
-    event = expect(handle.next())
-    assert isinstance(event, Ended), event
-    return event
-
-
 def _wait_prefilled(handle: StreamHandle, should_stop: Callable[[], bool]) -> int:
-    """Wait for a prefill-only stream's end; cancel it when `should_stop`. Returns the cells
-    it reached."""
+    """Wait for a prefill-only stream's end, asking `should_stop` at its start and then every
+    WARM_POLL_S until it says so: then cancel it. Returns the cells it reached."""
+    stopping = False
     while True:
+        if not stopping and should_stop():
+            handle.cancel()
+            stopping = True
         event = expect(handle.next(timeout=WARM_POLL_S))
         if isinstance(event, Ended):
             return event.position
-        if event is None and should_stop():
-            handle.cancel()
 
 
 def _generation(

@@ -12,7 +12,7 @@ kernels `make install` builds, a decode row computed beside others gets the logi
 alone, bit for bit (`rows_invariant`, checked at start-up by row_check.py), so a batched step
 is exact as it is. With stock kernels it gets slightly different logits (docs/BENCHMARKS.md);
 then, with `exact`, a greedy row whose top two logits nearly tie is decided again after
-recomputing that stream's batched cells one token at a time (worker/speculation/near_tie.py),
+recomputing that stream's batched cells one token at a time (near_tie.py),
 so greedy output does not depend on what else runs. Such a replay costs a lone decode for
 every cell since the stream's last exact one, so a stream that met a near tie is decoded alone
 from then on: on free text ties come every few tokens, and batching it would cost more than the
@@ -38,7 +38,9 @@ from llama_cpp import Llama
 from shared.errors import ContextOverflow
 from shared.prefix_cache import CacheHit, PrefixCache, common_prefix_len, restorable_tokens
 from worker import kv_state
+from worker.chunk_ends import chunk_end, chunk_ends, snapshot_points
 from worker.conclave.memory import Memory, Resident
+from worker.conclave.near_tie import TIE_MARGIN, is_near_tie
 from worker.conclave.streams import (
     Ended,
     EndReason,
@@ -50,11 +52,9 @@ from worker.conclave.streams import (
     Token,
 )
 from worker.decode_batch import fill_batch
-from worker.engine import snapshot_points
 from worker.kernels import prompt_chunk_kernels
-from worker.multi_sequence import sample
 from worker.prefix_saver import PrefixSaver
-from worker.speculation.near_tie import TIE_MARGIN, is_near_tie
+from worker.sampling import sample
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,8 @@ class Conclave:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._incoming: list[_Stream] = []
+        # Callers of `forget` waiting for the model thread to have dropped idle memory.
+        self._forgets: list[threading.Event] = []
         self._streams: list[_Stream] = []
         self._arrivals = itertools.count()
         # Streams not yet ended, each owning (or waiting for) a sequence: what admission of
@@ -210,6 +212,17 @@ class Conclave:
         """Sequences no running or waiting stream has claimed (idle ones count as free)."""
         return self.n_seq - self._committed
 
+    def forget(self) -> None:
+        """Drop every idle sequence's cells, so the next prompt starts from the disk cache or
+        cold; returns once the model thread has."""
+        done = threading.Event()
+        with self._lock:
+            if self._stopping:
+                return
+            self._forgets.append(done)
+        self._wake.set()
+        done.wait()
+
     def close(self) -> None:
         with self._lock:
             self._stopping = True
@@ -237,6 +250,12 @@ class Conclave:
                 stopping = self._stopping
                 self._streams.extend(self._incoming)
                 self._incoming.clear()
+                forgets, self._forgets = self._forgets, []
+            if forgets:
+                self._memory.forget_idle()
+                self._note_held()
+            for done in forgets:
+                done.set()
             if stopping:
                 self._fail_all(RuntimeError("the worker stopped"))
                 return
@@ -328,9 +347,9 @@ class Conclave:
             return 0
         common = common_prefix_len(leader.tokens[: leader.prefill_end], follower.tokens)
         block = self._block_tokens
-        ends = {*range(block, common + 1, block), *(b for b in leader.breaks if b <= common)}
-        if leader.prefill_end <= common:
-            ends.add(leader.prefill_end)
+        ends = itertools.takewhile(
+            lambda end: end <= common, chunk_ends(leader.prefill_end, block, leader.breaks)
+        )
         return max(
             (
                 restorable_tokens(
@@ -417,32 +436,24 @@ class Conclave:
 
     def _prefill_chunk(self, stream: _Stream) -> None:
         request, position = stream.request, stream.pos
-        limit = request.prefill_end
-        block = self._block_tokens
-        chunk_end = min(
-            position - position % block + block,
-            limit,
-            *(b for b in request.breaks if b > position),
-        )
+        end = chunk_end(position, request.prefill_end, self._block_tokens, request.breaks)
         # Split at n_batch as Llama.eval does, so every cell matches a lone run's.
         with prompt_chunk_kernels():
-            for start in range(position, chunk_end, self.llama.n_batch):
-                stop = min(start + self.llama.n_batch, chunk_end)
+            for start in range(position, end, self.llama.n_batch):
+                stop = min(start + self.llama.n_batch, end)
                 rows = [(request.tokens[p], p, stream.seq) for p in range(start, stop)]
                 self._decode(rows, logits=False)
         assert stream.resident is not None
-        stream.resident.tokens.extend(request.tokens[position:chunk_end])
-        stream.resident.prefilled = stream.pos = chunk_end
-        stream.resident.breaks = tuple(b for b in request.breaks if b <= chunk_end)
+        stream.resident.tokens.extend(request.tokens[position:end])
+        stream.resident.prefilled = stream.pos = end
+        stream.resident.breaks = tuple(b for b in request.breaks if b <= end)
         stream.resident.label(request.document)
-        if chunk_end in stream.snapshots and not self._cut_snapshots:
-            stream.snapshots.discard(chunk_end)
+        if end in stream.snapshots and not self._cut_snapshots:
+            stream.snapshots.discard(end)
             cache = self._cache_for(request.namespace)
             if cache is not None and self._saver is not None:
-                inside = tuple(b for b in request.breaks if b < chunk_end)
-                self._saver.snapshot(
-                    cache, self.llama, stream.seq, request.tokens[:chunk_end], inside
-                )
+                inside = tuple(b for b in request.breaks if b < end)
+                self._saver.snapshot(cache, self.llama, stream.seq, request.tokens[:end], inside)
         self._prefilled_to(stream)
 
     def _save_snapshots(self, stream: _Stream) -> None:
@@ -550,7 +561,7 @@ class Conclave:
 
     def _replay_alone(self, stream: _Stream) -> None:
         """Recompute one token at a time every cell of `stream` a batched step wrote; then row
-        0's logits are a lone run's (worker/multi_sequence.py does the same for questions)."""
+        0's logits are a lone run's."""
         assert stream.resident is not None
         tokens = stream.resident.tokens
         begin = stream.exact_until
@@ -566,8 +577,7 @@ class Conclave:
         assert stream.resident is not None and stream.rng is not None
         stream.resident.tokens.append(stream.next_token)
         stream.pos += 1
-        sampling = stream.request.sampling
-        token = sample(logits, sampling.temperature, sampling.top_p, stream.rng)
+        token = sample(logits, stream.request.sampling, stream.rng)
         if llama_cpp.llama_vocab_is_eog(self._vocab, token):
             self._end(stream, "stop")
             return

@@ -163,6 +163,11 @@ class Memory:
         del self._residents[resident.seq]
         self._free.add(resident.seq)
 
+    def forget_idle(self) -> None:
+        """Drop every sequence no stream uses."""
+        for resident in [r for r in self._residents.values() if r.idle]:
+            self.forget(resident)
+
     def release(self, resident: Resident) -> None:
         """The stream is done: its cells stay for reuse until the sequence is needed."""
         resident.idle = True

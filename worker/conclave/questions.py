@@ -14,24 +14,40 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
+from llama_cpp import Llama
+
+from shared.errors import ContextOverflow
 from shared.llm import document_prompts
 from shared.prefix_usage import document_prefix_id
 from shared.schemas import ExtractOrder
-from worker import multi_sequence
-from worker.conclave.engine import ConclaveEngine, expect, wait_started
+from worker.answers import Answering, Finish, QuestionEnd
+from worker.conclave.loop import Conclave
 from worker.conclave.streams import (
     Ended,
     Event,
-    Sampling,
     StreamHandle,
     StreamRequest,
     Token,
+    expect,
+    wait_started,
 )
-from worker.engine import chunk_breaks
-from worker.extraction import Answering, Extracted, extraction_outcome
-from worker.multi_sequence import DoesNotFit
+from worker.outcomes import Extracted, extraction_outcome
+from worker.prompt_breaks import chunk_breaks
 from worker.resume import NOTHING, Streamed
+from worker.sampling import Sampling
 from worker.token_publisher import TokenPublisher
+
+
+class DoesNotFit(ContextOverflow):
+    """A question's own tokens and answer cannot fit in a sequence next to the prefix."""
+
+    def __init__(self, question: int, overflow: int) -> None:
+        super().__init__(
+            f"question {question} does not fit in the context next to the shared prefix: "
+            f"{overflow} tokens too many"
+        )
+        self.question = question
+        self.overflow = overflow
 
 
 @dataclass
@@ -43,17 +59,19 @@ class _Question:
 
 
 def extract(
-    engine: ConclaveEngine,
+    conclave: Conclave,
+    llama: Llama,
+    n_ctx: int,
     order: ExtractOrder,
     publisher: TokenPublisher,
     streamed: Streamed = NOTHING,
     priority: int = 0,
 ) -> Extracted:
+    """Answer every question of `order`; `n_ctx` is what one request may hold."""
     started = time.perf_counter()
-    llama = engine.llama
     prefix, tails = document_prompts(llama, order.document, [q.question for q in order.questions])
     for index, tail in enumerate(tails):
-        overflow = len(prefix) + len(tail) + order.max_tokens - engine.n_ctx
+        overflow = len(prefix) + len(tail) + order.max_tokens - n_ctx
         if overflow > 0:
             raise DoesNotFit(index, overflow)
     head = [*prefix, *tails[0]]
@@ -68,7 +86,7 @@ def extract(
         hold=True,
         document=document,
     )
-    with engine.conclave.submit(engine.conclave.handle(hold)) as held:
+    with conclave.submit(conclave.handle(hold)) as held:
         cached = min(wait_started(held).cached_tokens, len(prefix))
         expect(held.next())  # the prefix is in memory
         prefilled = time.perf_counter()
@@ -77,12 +95,12 @@ def extract(
         answering = Answering(llama, order, publisher, prompt_tokens, cached, offset_ms, streamed)
         open_ = answering.open_questions()
         if open_:
-            _answer(engine, order, answering, prefix, tails, open_, priority)
+            _answer(conclave, order, answering, prefix, tails, open_, priority)
     return extraction_outcome(order, answering, prefix, tails, cached, started, prefilled, streamed)
 
 
 def _answer(
-    engine: ConclaveEngine,
+    conclave: Conclave,
     order: ExtractOrder,
     answering: Answering,
     prefix: list[int],
@@ -110,8 +128,8 @@ def _answer(
                 sampling=Sampling(order.temperature, order.top_p, (order.seed + i) % 2**32),
             )
             on_token = partial(_on_token, answering, questions[j])
-            handle = engine.conclave.handle(request, on_token, events, tag=j)
-            handles.append(stack.enter_context(engine.conclave.submit(handle)))
+            handle = conclave.handle(request, on_token, events, tag=j)
+            handles.append(stack.enter_context(conclave.submit(handle)))
         live = len(handles)
         while live:
             handle, event = handles[0].next_tagged()
@@ -130,11 +148,11 @@ def _on_event(answering: Answering, question: _Question, event: Event | None, t0
     """Job thread: pass a question's end on; returns 1 when the question ended."""
     if not isinstance(event, Ended):
         return 0
-    finish: multi_sequence.Finish = "length" if event.reason == "length" else "stop"
+    finish: Finish = "length" if event.reason == "length" else "stop"
     answering.drifted = answering.drifted or event.drifted
     ttft = ((question.first_at or event.at) - t0) * 1000
     rate = None
     if question.first_at and question.last_at and question.last_at > question.first_at:
         rate = (len(question.tokens) - 1) / (question.last_at - question.first_at)
-    answering.on_answer(question.index, multi_sequence.Answer(question.tokens, finish, ttft, rate))
+    answering.on_answer(question.index, QuestionEnd(question.tokens, finish, ttft, rate))
     return 1

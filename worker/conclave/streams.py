@@ -3,10 +3,10 @@
 A job thread builds a `StreamRequest` (its prompt's tokens and how to decode after them),
 submits it and reads the handle's events: `Started` once memory holds the prompt's prefix,
 then `Ended` (or `Failed`). Each sampled token goes to the handle's `on_token`, called on the
-model thread between steps, as the one-job engine calls it between tokens: waking a job thread
-per token would take a core from llama.cpp's threads mid-step, which stalls them all. The job
-thread never touches the model's memory. Cancelling (a stop string, a client's cancel, a
-timeout) only raises a flag the model thread reads before its next step.
+model thread between steps: waking a job thread per token would take a core from llama.cpp's
+threads mid-step, which stalls them all. The job thread never touches the model's memory.
+Cancelling (a stop string, a client's cancel, a timeout) only raises a flag the model thread
+reads before its next step.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from worker.sampling import Sampling
+
 # Prefill order between priority classes: the rq queue a job came from (shared/queues.py).
 INTERACTIVE, BATCH, WARM = 0, 1, 2
 
@@ -25,28 +27,17 @@ EndReason = Literal["stop", "length", "prefilled", "cancelled"]
 
 
 @dataclass(frozen=True, slots=True)
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
-
-
-@dataclass(frozen=True, slots=True)
 class StreamRequest:
     """One sequence's work: hold `tokens[:prefill_end]` in memory, then decode `max_new`."""
 
     tokens: list[int]
-    # Extra chunk ends (worker.engine.prompt_breaks); see shared.prefix_cache.
+    # Extra chunk ends (worker/prompt_breaks.py); see worker/chunk_ends.py.
     breaks: tuple[int, ...]
     namespace: str | None
     priority: int
     # 0: prefill only (a warm job, an extraction's shared prefix).
     max_new: int
-    sampling: Sampling = Sampling()
+    sampling: Sampling = field(default_factory=Sampling)
     # Where prefill stops; None: the last-but-one token (the last is decoded with the first
     # sample). A prefill-only stream stops at its declared prefix's end.
     end: int | None = None
@@ -57,7 +48,7 @@ class StreamRequest:
     # holds all of it, the worker advertises it, so routing sends its next question here.
     document: tuple[str, int] | None = None
     # The breaks hold a declared shared prefix's end (a document), not the prompt's own
-    # (worker.engine.snapshot_points).
+    # (worker/chunk_ends.py snapshot_points).
     declared: bool = True
 
     def __post_init__(self) -> None:
@@ -176,3 +167,26 @@ class StreamHandle:
         self.cancelled.set()
         self.closed.set()
         self._wake.set()
+
+
+class StreamFailed(RuntimeError):
+    """The model thread could not serve a stream (its error is the cause)."""
+
+
+def expect(event: Event | None) -> Event | None:
+    """Raise what the model thread reported instead of an event."""
+    if isinstance(event, Failed):
+        raise StreamFailed(str(event.error)) from event.error
+    return event
+
+
+def wait_started(handle: StreamHandle) -> Started:
+    event = expect(handle.next())
+    assert isinstance(event, Started), event
+    return event
+
+
+def wait_ended(handle: StreamHandle) -> Ended:
+    event = expect(handle.next())
+    assert isinstance(event, Ended), event
+    return event

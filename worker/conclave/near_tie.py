@@ -4,9 +4,9 @@ llama.cpp's CPU kernels give a row computed in a batch of several tokens slightl
 logits than the same token decoded alone (the matrix kernels pick other code paths by batch
 size and sum in another order); docs/BENCHMARKS.md measures that drift per model and batch
 size (bench/batch_rows.py). Greedy decoding only notices where the top two logits are closer
-than the drift, so batched decoders (speculative verification with `worker.speculation_exact`,
-questions decoded together) decide a step whose margin is under TIE_MARGIN by decoding that
-token again alone: the shape a plain single job uses.
+than the drift, so on such kernels the Conclave (worker/conclave/loop.py) decides a batched
+step whose margin is under TIE_MARGIN by decoding that token again alone: the shape a lone run
+uses.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-# 0.5 let a Qwen near tie flip in tests/integration/test_speculative.py; 0.75 passes on all
-# three models. It is not a bound: docs/BENCHMARKS.md measures drifts past half of it at 8+
-# rows on SmolLM2 and Gemma-3, so a tie the batch hid that well still goes undetected.
+# 0.5 let a Qwen near tie flip in speculative verification (the one-job engine's, since
+# retired); 0.75 passed on all three models. It is not a bound: docs/BENCHMARKS.md measures
+# drifts past half of it at 8+ rows on SmolLM2 and Gemma-3, so a tie the batch hid that well
+# still goes undetected.
 TIE_MARGIN = 0.75
 
 
