@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from bench.conclave import Reply, document, llama_server, stream_chat
+from bench.paired import ForeignCpu, per_round, ratio_summary, shares_text
 from shared.settings import Settings
 from tests.harness import Stack
 
@@ -131,6 +132,7 @@ CHAT_CLIENTS: Clients = {
 def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int) -> str:
     # Each system, each client: one Timed per round.
     timed: dict[tuple[str, str], list[Timed]] = {}
+    foreign: list[float] = []
     with ExitStack() as running:
         stack = Stack(settings, log_dir)
         running.callback(stack.stop)
@@ -145,24 +147,21 @@ def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int)
             clients[ONE_AT_A_TIME](url, [document(1, 2)])
         seed = 10_000
         for _ in range(rounds):
-            for name, (url, clients) in systems.items():
-                for client, ask in clients.items():
-                    seed += 100_000  # documents new to every system
-                    timed.setdefault((name, client), []).append(ask(url, _documents(seed)))
-    return _render(timed, rounds)
+            with ForeignCpu() as cpu:
+                for name, (url, clients) in systems.items():
+                    for client, ask in clients.items():
+                        seed += 100_000  # documents new to every system
+                        timed.setdefault((name, client), []).append(ask(url, _documents(seed)))
+            foreign.append(cpu.share)
+    return _render(timed, foreign)
 
 
-def _ratios(peer: list[float], ours: list[float]) -> str:
-    ratios = sorted(p / o for p, o in zip(peer, ours, strict=True))
-    return f"{statistics.median(ratios):.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})"
-
-
-def _render(timed: dict[tuple[str, str], list[Timed]], rounds: int) -> str:
+def _render(timed: dict[tuple[str, str], list[Timed]], foreign: list[float]) -> str:
     lines = [
         "## New documents × questions: the first read beside llama-server",
         "",
         __doc__.split("\n\n", 1)[1].replace("\n", " ").strip()
-        + f" {DOCUMENTS} documents × {len(QUESTIONS)} questions, {rounds} rounds.",
+        + f" {DOCUMENTS} documents × {len(QUESTIONS)} questions, {len(foreign)} rounds.",
         "",
         "| client | system | seconds (median) | prompt tokens reused | vs the peer's same client "
         "| vs the peer's best client | targets (issue 32) |",
@@ -177,14 +176,16 @@ def _render(timed: dict[tuple[str, str], list[Timed]], rounds: int) -> str:
             reused = f"{runs[-1].cached_tokens:,} of {runs[-1].prompt_tokens:,} (last round)"
         same = best = "–"
         if name != PEER and (PEER, client) in timed:
-            same = _ratios([t.seconds for t in timed[(PEER, client)]], seconds)
+            peer = [t.seconds for t in timed[(PEER, client)]]
+            same = ratio_summary(per_round(peer, seconds))
         if name != PEER and peer_best:
-            best = _ratios(peer_best, seconds)
+            best = ratio_summary(per_round(peer_best, seconds))
         targets = _targets(client) if name != PEER else "–"
         lines.append(
             f"| {client} | {name} | {statistics.median(seconds):.1f} | {reused} | {same} | "
             f"{best} | {targets} |"
         )
+    lines += ["", f"CPU the host spent on anything else, per round: {shares_text(foreign)}."]
     if not peer_rounds:
         lines += ["", "llama-server was not built (`make peer-server`): no peer rows."]
     return "\n".join(lines) + "\n"

@@ -155,20 +155,15 @@ def _chunk_shape_section(redis_url: str) -> str:
 
 
 def _conclave_section(
-    redis_url: str, log_dir: Path, server: Path | None, stock_site: Path | None
+    redis_url: str, log_dir: Path, server: Path | None, stock_site: Path | None, quick: bool
 ) -> str:
     settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
-    return conclave.section(settings, log_dir, server, stock_site)
+    return conclave.section(settings, log_dir, server, stock_site, rounds=1 if quick else 2)
 
 
 def _conclave_sweep_section(redis_url: str, log_dir: Path) -> str:
     settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
     return conclave.sweep_section(settings, log_dir)
-
-
-def _conclave_lone_section(redis_url: str, log_dir: Path) -> str:
-    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
-    return conclave.lone_section(settings, log_dir)
 
 
 def _cold_prefill_section(redis_url: str, log_dir: Path, server: Path | None, quick: bool) -> str:
@@ -214,7 +209,6 @@ def main() -> None:
             "prompt_kernels",
             "conclave",
             "conclave_sweep",
-            "conclave_lone",
             "cold_prefill",
             "first_read",
             "routing",
@@ -274,10 +268,9 @@ def main() -> None:
             "chunk_shape": lambda: [_chunk_shape_section(redis_url)],
             "prompt_kernels": lambda: [_prompt_kernels_section(redis_url)],
             "conclave": lambda: [
-                _conclave_section(redis_url, log_dir, args.peer_server, args.stock_site)
+                _conclave_section(redis_url, log_dir, args.peer_server, args.stock_site, args.quick)
             ],
             "conclave_sweep": lambda: [_conclave_sweep_section(redis_url, log_dir)],
-            "conclave_lone": lambda: [_conclave_lone_section(redis_url, log_dir)],
             "cold_prefill": lambda: [
                 _cold_prefill_section(redis_url, log_dir, args.peer_server, args.quick)
             ],
