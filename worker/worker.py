@@ -23,7 +23,9 @@ from redis import Redis
 from redis.client import Pipeline, PubSub, PubSubWorkerThread
 from rq import Queue, SimpleWorker, worker_registration
 from rq.job import Job
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.timeouts import TimerDeathPenalty
+from rq.utils import current_timestamp, now
 from rq.worker import WorkerStatus
 
 from shared import keys, routing
@@ -31,6 +33,7 @@ from shared.codec import JsonSerializer
 from shared.queues import QUEUES, ROUTED, WARM, queue
 from shared.redis_outage import REDIS_DOWN, RedisWaiter, describe
 from shared.settings import RoutingSettings, WorkerSettings
+from worker.redis_contact import RedisContact
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +133,10 @@ class GranaryWorker(SimpleWorker):
         queues = [queue(redis, name) for name in QUEUES]
         self._heartbeat_ttl_s = settings.heartbeat_ttl_s
         self._waiter = waiter
+        # A stall shorter than half a beat period cannot make a live claim lapse (the beats
+        # around it land in time, even at the smallest TTL, 3 s); a longer one is seen as a
+        # call that long by the routing round (every TICK_S) or a heartbeat.
+        self._contact = RedisContact(settings.heartbeat_ttl_s / 6)
         self._routing = routing.Routing(redis)
         self._wait_s = routing_settings.wait_s
         super().__init__(
@@ -151,7 +158,7 @@ class GranaryWorker(SimpleWorker):
     def execute_job(self, job: Job, queue: Queue) -> None:
         try:
             execution = self.prepare_execution(job)
-            beat = lambda: self.maintain_heartbeats(job, execution)  # noqa: E731
+            beat = partial(self._contact.timed, partial(self.maintain_heartbeats, job, execution))
             with _Heartbeat(beat, self._heartbeat_ttl_s / 3, self._waiter):
                 self.perform_job(job, queue, execution)
         except REDIS_DOWN as exc:
@@ -167,6 +174,30 @@ class GranaryWorker(SimpleWorker):
     def run_maintenance_tasks(self) -> None:
         self._waiter.call(super().run_maintenance_tasks)
         self._waiter.call(self._tend_routing)
+
+    def clean_registries(self) -> None:
+        """rq's registry maintenance, with jobs judged abandoned only once this worker's calls
+        have gone through unstalled for `heartbeat_ttl_s` (worker/redis_contact.py), and as of
+        that moment: a maintenance whose own calls then wait out a frozen Redis goes on after
+        the thaw, when every claim looks lapsed, and must not judge them by the clock then."""
+        cutoff = current_timestamp()
+        if self._contact.unbroken_s() < self._heartbeat_ttl_s:
+            return  # `last_cleaned_at` stays: the loop's next round asks again
+        for q in self.queues:
+            if q.acquire_maintenance_lock():  # one worker at a time cleans a queue
+                self.log.info("Worker %s: cleaning registries for queue: %s", self.name, q.name)
+                self._clean(q, cutoff)
+                q.release_maintenance_lock()  # type: ignore[no-untyped-call]
+        self.last_cleaned_at = now()  # type: ignore[assignment]  # rq types it by its None
+
+    def _clean(self, queue: Queue, cutoff: int) -> None:
+        """rq's `clean_registries(queue)` for the registries granary fills (no dependencies, no
+        rate limits), the started one judged as of `cutoff`."""
+        FinishedJobRegistry(queue=queue).cleanup()
+        StartedJobRegistry(queue=queue).cleanup(cutoff, self._exc_handlers)
+        FailedJobRegistry(queue=queue).cleanup()
+        worker_registration.clean_worker_registry(queue)
+        queue.intermediate_queue.cleanup(self, queue)
 
     def _tend_routing(self) -> None:
         # Every worker does this, so jobs routed to a worker that died never wait for a
@@ -292,7 +323,9 @@ class ConclaveWorker(GranaryWorker):
         self._all_queues = self._listening_order()
         # Woken when memory's documents change and when a job starts or ends (room changes).
         self._advertise_now = held_changed
-        self._ticker = _Ticker(self._tick, TICK_S, held_changed, waiter)
+        # Its calls, every TICK_S, are what tells this worker of a stall even when it is idle.
+        tick = partial(self._contact.timed, self._tick)
+        self._ticker = _Ticker(tick, TICK_S, held_changed, waiter)
         self._ticking = False
 
     def _listening_order(self) -> list[Queue]:
@@ -315,7 +348,7 @@ class ConclaveWorker(GranaryWorker):
         except REDIS_DOWN as exc:  # as GranaryWorker.execute_job: the registry re-queues it
             self._waiter.wait(exc)
             return
-        beat = partial(self.maintain_heartbeats, job, execution)
+        beat = partial(self._contact.timed, partial(self.maintain_heartbeats, job, execution))
         thread = threading.Thread(
             target=self._perform,
             args=(job, queue, execution, beat),
@@ -375,11 +408,11 @@ class ConclaveWorker(GranaryWorker):
         super().run_maintenance_tasks()
 
     def _beat_running(self) -> None:
-        """Its own running jobs are alive, whatever their last heartbeat says. After Redis was
-        frozen or away for longer than `heartbeat_ttl_s`, their last beats have expired by the
-        time it answers again; the registry cleanup that follows (this worker is often the
-        first to run one) took them for abandoned and queued them again, and they ran twice,
-        here beside themselves."""
+        """Its own running jobs are alive, whatever their last heartbeat says: beaten right
+        before its registry cleanup, they are never taken for abandoned by it (a heartbeat
+        thread that fell behind, say). After an outage this is not enough: beats sent while
+        Redis was away land late, and the cleanup itself may stall; `clean_registries` waits
+        for unbroken contact then."""
         with self._changed:
             beats = list(self._beats.values())
         for beat in beats:
