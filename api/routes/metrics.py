@@ -58,7 +58,11 @@ class GranaryCollector(Collector):
             jobs = queue(redis, name)
             # Jobs routed to a worker holding their document wait in its private list.
             depth.add_metric([name], jobs.count + routing.waiting(redis, name))
-            active.add_metric([name], jobs.started_job_registry.count)
+            # Counted as they stand: rq's `count` would first run the registry's cleanup and
+            # judge jobs abandoned by this process's clock, right after an outage too (when
+            # every claim looks lapsed); only workers judge that (worker/worker.py).
+            running = jobs.started_job_registry.get_job_count(cleanup=False)
+            active.add_metric([name], running)
         yield depth
         yield active
         yield GaugeMetricFamily(
