@@ -189,18 +189,19 @@ HEADER = f"""## Decoding rows in one batch: drift and cost
 
 After a {PROMPT_TOKENS}-token prompt, the next tokens are decoded one at a time, then again as
 one batch of n rows — the shape in which speculative decoding verifies a draft of n - 1 tokens
-(and extraction decodes n questions). "Drift" is the largest logit difference between a row
-computed in the batch and the same token decoded alone; with `worker.speculation_exact`,
-greedy verification decides a row again alone when its top two logits are closer than
-`TIE_MARGIN` (worker/speculation/near_tie.py). "Pass" is the median time of one decode call of n rows with
+(and the Conclave decodes n streams). "Drift" is the largest logit difference between a row
+computed in the batch and the same token decoded alone; where it is not 0, exact batching
+decides a row again alone when its top two logits are closer than `TIE_MARGIN`
+(worker/conclave/near_tie.py). "Pass" is the median time of one decode call of n rows with
 logits for all of them. "Bound" is rows / (pass / one row): the speed-up of a draft of n - 1
 tokens that is accepted whole, the most speculation can give at that length.
 
 Three kernel setups (`bench/batch_rows.py`): **row-invariant below 32** is the wheel
-`make install` builds: llama.cpp's three kernels that change code path with the number of rows
+`make install` builds: llama.cpp's kernels that change code path with the number of rows
 start at 32 rows instead of 2, 4 and 8 (deploy/build-llama-wheel.sh patches the thresholds),
-so a decode step of fewer rows computes each row as a lone decode does while a 256-token
-prefill chunk keeps the fast kernels; **stock** is the sdist unchanged (`make wheel-stock`);
+except llamafile's Q8_0, Q5_0 and Q4_0 kernels on AVX2, whose arithmetic per output is a lone
+row's and which keep their 2; so a decode step of fewer rows computes each row as a lone
+decode does while a 256-token prefill chunk keeps the fast kernels; **stock** is the sdist unchanged (`make wheel-stock`);
 **batch-invariant** is llama.cpp built without llamafile's sgemm and run without weight
 repacking and without the tiled K-quant path (`make wheel-invariant`).
 

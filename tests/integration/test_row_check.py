@@ -40,10 +40,17 @@ def test_a_short_row_beside_a_sequence_past_the_padded_window_equals_it_alone() 
     assert check("smollm2-135m", 8, long_cells=PAST_PADDED_WINDOW)
 
 
+def test_qwens_steps_of_2_to_31_rows_batch_its_q8_0_and_q5_0_weights_and_equal_lone_rows() -> None:
+    # On AVX2 llamafile's kernels for those weights run from 2 rows (deploy/build-llama-wheel.sh):
+    # rows beside a sequence past the padded window still equal their lone selves.
+    assert check("qwen2.5-0.5b", 31, long_cells=PAST_PADDED_WINDOW)
+
+
 def test_a_step_of_32_rows_or_more_takes_the_batch_kernels_and_the_check_sees_it() -> None:
-    # The patched thresholds are 32 rows: from there Qwen's weights take llama.cpp's batch
-    # kernels, whose rows differ from lone ones. The check must say so, or it could not catch
-    # a stock wheel.
+    # The patched thresholds are 32 rows: from there Qwen's Q4_K and Q6_K weights take
+    # llama.cpp's batch kernels, whose rows differ from lone ones (its Q8_0 and Q5_0 ones batch
+    # from 2 rows, as lone rows compute). The check must say so, or it could not catch a stock
+    # wheel.
     assert not check("qwen2.5-0.5b", 40)
 
 
