@@ -103,7 +103,10 @@ class Stack:
                     raise RuntimeError(f"{name} exited while waiting for {what}:\n{tail}")
             return check()
 
-        _wait_for(done, what)
+        # A worker's start (model load, row check) took 3-51 s on a loaded 2-core host, and a
+        # slow phase of the host makes everything up to 2.5 times slower; a process that exits
+        # fails at once above, so a long wait only ever waits for one that is still starting.
+        _wait_for(done, what, timeout_s=180)
 
     def start_warmer(self, *args: str, name: str = "warmer") -> subprocess.Popen[bytes]:
         return self._spawn(name, "warmer", *args)
