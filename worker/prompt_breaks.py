@@ -7,15 +7,23 @@ most tools send: the document inside a chat message or a plain prompt) share onl
 256-token blocks before the document's end, and the rest of the document is prefilled again.
 So a prompt without a declared document prefix also ends chunks where prompts part:
 
-- at the start of each stretch of text between the chat template's control tokens (a
-  message's content: the messages before it, the system prompt above all, are shared whole);
+- at the start of each message's content: the messages before it, the system prompt above
+  all, are shared whole;
 - at the start of each stretch's last paragraph (after a blank line): where a question
   follows the document it asks about;
-- at the end of each stretch followed by at least `MIN_TAIL` more tokens: where a document
-  sent as a message of its own (a system message, as OpenAI clients send it) is followed by
-  a short question in the next one. Without it the next question shared the document only up
-  to its last block boundary and read the rest again. The last message's end is followed only
-  by the template's turn markers, fewer than `MIN_TAIL`: no chunk would be worth its pass there.
+- at the start of the next message's content, after a message followed by at least
+  `MIN_TAIL` more tokens: where a document sent as a message of its own (a system message,
+  as OpenAI clients send it) is followed by a short question in the next one, the next
+  question reads only its own words. Without it the next question shared the document only
+  up to its last block boundary and read the rest again; with the break at the document's
+  end it read the turn markers and role line again (5 tokens on Qwen: ~80 ms a question
+  here, where llama-server's prompt cache reads them once). The last message is followed
+  only by the template's turn markers, fewer than `MIN_TAIL`: no chunk would be worth its
+  pass there.
+
+A stretch is the text between the chat template's control tokens; a message's content starts
+after the control tokens and the role line that open it ("user\n" in ChatML and Gemma's
+template), which every message of that role shares.
 
 Only stretches of at least `MIN_STRETCH` tokens count (a role name or a short reply is not
 worth a chunk of its own), and a point closer than `MIN_STRETCH` to the prompt's start or to
@@ -30,7 +38,7 @@ instead (`prompt_breaks`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import llama_cpp
 from llama_cpp import Llama
@@ -41,6 +49,9 @@ MIN_STRETCH = 32
 # markers a chat template puts after the last message (5 on Qwen, SmolLM2 and Gemma-3), as
 # many as the shortest question with its own markers.
 MIN_TAIL = 8
+# A message's role line ("user\n", "assistant\n", Gemma's "model\n") is at most this many
+# tokens, the last one ending the line.
+MAX_ROLE_LINE = 4
 _CONTROL = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
 
 
@@ -76,6 +87,10 @@ def content_breaks(llama: Llama, tokens: Sequence[int]) -> tuple[int, ...]:
     pieces = _of_model.get(llama)
     if pieces is None:
         pieces = _of_model[llama] = _Pieces()
+
+    def content_start(position: int) -> int:
+        return _content_start(llama, pieces, tokens, position)
+
     breaks: set[int] = set()
     start = 0  # of the current stretch
     last_paragraph: int | None = None
@@ -83,9 +98,9 @@ def content_breaks(llama: Llama, tokens: Sequence[int]) -> tuple[int, ...]:
     for position, token in enumerate(tokens):
         kind = pieces.kind(llama, token)
         if kind is None:
-            _close_stretch(breaks, start, last_paragraph, position)
+            _close_stretch(breaks, start, last_paragraph, position, content_start)
             if position - start >= MIN_STRETCH and len(tokens) - position >= MIN_TAIL:
-                breaks.add(position)
+                breaks.add(content_start(position))
             start, last_paragraph, newlines = position + 1, None, 0
             continue
         blank, trailing = kind
@@ -95,16 +110,42 @@ def content_breaks(llama: Llama, tokens: Sequence[int]) -> tuple[int, ...]:
         if newlines >= 2 and position > start:
             last_paragraph = position
         newlines = trailing
-    _close_stretch(breaks, start, last_paragraph, len(tokens))
+    _close_stretch(breaks, start, last_paragraph, len(tokens), content_start)
     return tuple(sorted(b for b in breaks if b >= MIN_STRETCH))
 
 
-def _close_stretch(breaks: set[int], start: int, last_paragraph: int | None, end: int) -> None:
+def _close_stretch(
+    breaks: set[int],
+    start: int,
+    last_paragraph: int | None,
+    end: int,
+    content_start: Callable[[int], int],
+) -> None:
     if end - start < MIN_STRETCH:
         return
-    breaks.add(start)
+    breaks.add(content_start(start))
     if last_paragraph is not None and last_paragraph - start >= MIN_STRETCH:
         breaks.add(last_paragraph)
+
+
+def _content_start(llama: Llama, pieces: _Pieces, tokens: Sequence[int], position: int) -> int:
+    """Where the message opening at `position` (at or after its control tokens) starts its
+    content: after those control tokens, the blanks among them, and its role line when it has
+    one."""
+    while position < len(tokens) and _between_messages(pieces.kind(llama, tokens[position])):
+        position += 1
+    for end in range(position, min(position + MAX_ROLE_LINE, len(tokens))):
+        kind = pieces.kind(llama, tokens[end])
+        if kind is None:
+            break
+        if kind[1]:  # the token ends the line
+            return end + 1
+    return position
+
+
+def _between_messages(kind: tuple[bool, int] | None) -> bool:
+    """A control token, or a blank one (the newline ChatML puts after `<|im_end|>`)."""
+    return kind is None or kind[0]
 
 
 def prompt_breaks(
