@@ -14,16 +14,22 @@ So a prompt without a declared document prefix also ends chunks where prompts pa
 - at the start of the next message's content, after a message followed by at least
   `MIN_TAIL` more tokens: where a document sent as a message of its own (a system message,
   as OpenAI clients send it) is followed by a short question in the next one, the next
-  question reads only its own words. Without it the next question shared the document only
-  up to its last block boundary and read the rest again; with the break at the document's
-  end it read the turn markers and role line again (5 tokens on Qwen: ~80 ms a question
-  here, where llama-server's prompt cache reads them once). The last message is followed
+  question reads little more than its own words. Without it the next question shared the
+  document only up to its last block boundary and read the rest again; with the break at the
+  document's end it read the turn markers and role line again (5 tokens on Qwen where 1 is
+  read now: ~15 ms a token here). The last message is followed
   only by the template's turn markers, fewer than `MIN_TAIL`: no chunk would be worth its
-  pass there.
+  pass there;
+- before the last token of each earlier line opening a message of the role the prompt asks
+  to answer (its own last line: "assistant\n"): where the previous turn's prompt stopped its
+  prefill, so a conversation's next turn restores the previous turn's prompt whole and reads
+  only the answer and the new message, whatever their lengths.
 
 A stretch is the text between the chat template's control tokens; a message's content starts
 after the control tokens and the role line that open it ("user\n" in ChatML and Gemma's
-template), which every message of that role shares.
+template), which every message of that role shares. The break sits before the role line's last
+token: where a prompt asking that role to answer stops its prefill, so that a conversation's
+next turn restores the previous turn's prompt whole (`_content_start`).
 
 Only stretches of at least `MIN_STRETCH` tokens count (a role name or a short reply is not
 worth a chunk of its own), and a point closer than `MIN_STRETCH` to the prompt's start or to
@@ -111,6 +117,7 @@ def content_breaks(llama: Llama, tokens: Sequence[int]) -> tuple[int, ...]:
             last_paragraph = position
         newlines = trailing
     _close_stretch(breaks, start, last_paragraph, len(tokens), content_start)
+    breaks.update(_earlier_turn_ends(llama, pieces, tokens))
     return tuple(sorted(b for b in breaks if b >= MIN_STRETCH))
 
 
@@ -129,9 +136,12 @@ def _close_stretch(
 
 
 def _content_start(llama: Llama, pieces: _Pieces, tokens: Sequence[int], position: int) -> int:
-    """Where the message opening at `position` (at or after its control tokens) starts its
-    content: after those control tokens, the blanks among them, and its role line when it has
-    one."""
+    """The break before the content of the message opening at `position` (at or after its
+    control tokens): after those control tokens and the blanks among them, at the last token
+    of its role line when it has one. A prompt that asks that role to answer ends with the
+    same role line, and its prefill stops right before that token (the last is decoded with
+    the first sample): so the next turn of a conversation, which holds the same line before
+    the answer, restores the previous turn's whole prompt."""
     while position < len(tokens) and _between_messages(pieces.kind(llama, tokens[position])):
         position += 1
     for end in range(position, min(position + MAX_ROLE_LINE, len(tokens))):
@@ -139,8 +149,29 @@ def _content_start(llama: Llama, pieces: _Pieces, tokens: Sequence[int], positio
         if kind is None:
             break
         if kind[1]:  # the token ends the line
-            return end + 1
+            return end
     return position
+
+
+def _earlier_turn_ends(llama: Llama, pieces: _Pieces, tokens: Sequence[int]) -> set[int]:
+    """Where the prompts of a conversation's earlier turns stopped their prefill: before the
+    last token of each earlier opening of the role the prompt ends by asking to answer (the
+    control tokens, then the role line this prompt ends with)."""
+    last_control = max(
+        (i for i in range(len(tokens)) if pieces.kind(llama, tokens[i]) is None), default=None
+    )
+    if last_control is None:
+        return set()
+    role = list(tokens[last_control + 1 :])
+    last = pieces.kind(llama, role[-1]) if role else None
+    if not 0 < len(role) <= MAX_ROLE_LINE or last is None or not last[1]:
+        return set()  # no role line ends the prompt: no template, or one without them
+    width = len(role)
+    return {
+        i + width - 1
+        for i in range(1, last_control - width + 1)
+        if pieces.kind(llama, tokens[i - 1]) is None and list(tokens[i : i + width]) == role
+    }
 
 
 def _between_messages(kind: tuple[bool, int] | None) -> bool:

@@ -299,6 +299,27 @@ def test_a_document_inside_the_prompt_is_reused_up_to_its_question(
     assert cold.usage.completion_tokens >= 4  # a real comparison, not an empty answer
 
 
+def test_a_conversations_next_turn_restores_the_last_prompt_whole(models: Models) -> None:
+    """The answer and the new message are read; the whole earlier prompt is restored, greedy
+    text equal to a cold run's (worker/prompt_breaks.py: its earlier turn ends)."""
+    if not models.llama.metadata.get("tokenizer.chat_template"):
+        pytest.skip("this model has no chat template: its clients send prompts")
+    models.cache.clear()
+    turn = [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": f"{PAGE}\n\n{QUESTIONS[0]}"},
+    ]
+    first = JobRequest.model_validate({"messages": turn, "temperature": 0})
+    answer = models.run(models.warm, first).result.text
+    following = [*turn, {"role": "assistant", "content": answer}]
+    following.append({"role": "user", "content": QUESTIONS[1]})
+    second = JobRequest.model_validate({"messages": following, "temperature": 0})
+    hot = models.run(models.warm, second)
+    first_prompt = tokenize(models.llama, models.order(first).prompt)
+    assert hot.usage.cached_tokens == len(first_prompt) - 1
+    assert hot.result.text == models.run(models.cold, second).result.text
+
+
 # --- deltas: a shared start stored once, and what a restore does when a base is lost --------
 
 SYSTEM_PROMPT = "You answer questions about crates. " + DOC

@@ -80,12 +80,30 @@ def test_a_document_in_a_system_message_breaks_where_the_question_starts(llama: 
 
     one, two = asked("Which shelf?"), asked("How many plums in all?")
     question = max(content_breaks(llama, one))
-    assert question == max(content_breaks(llama, two)) == common_prefix_len(one, two)
-    assert llama.detokenize(one[question:]).decode().startswith("Which shelf?")
+    assert question == max(content_breaks(llama, two))
+    # Before the role line's last token, its newline (see the next test).
+    assert common_prefix_len(one, two) == question + 1
+    assert llama.detokenize(one[question:]).decode().startswith("\nWhich shelf?")
     assert "crates of plums." in llama.detokenize(one[:question]).decode()
     # The last message's end is followed by the turn markers alone: no break there.
     long_question = asked(PAGE.replace("\n\n", " ") + " Which shelf?")
     assert max(content_breaks(llama, long_question)) < len(long_question) - MIN_TAIL
+
+
+def test_a_conversations_next_turn_breaks_where_the_last_turn_stopped_its_prefill(
+    llama: Llama,
+) -> None:
+    """A prompt's prefill stops before its last token, the newline of the answering role's
+    line; the next turn, which holds that prompt and then the answer, breaks right there."""
+    if not llama.metadata.get("tokenizer.chat_template"):
+        pytest.skip("this model has no chat template")
+    turn = [{"role": "system", "content": PAGE}, {"role": "user", "content": "Which shelf?"}]
+    answer = {"role": "assistant", "content": "Shelf 3 holds the most crates of plums."}
+    last = tokens_of(llama, JobRequest.model_validate({"messages": turn}))
+    following = [*turn, answer, {"role": "user", "content": "And the fewest?"}]
+    next_turn = tokens_of(llama, JobRequest.model_validate({"messages": following}))
+    assert next_turn[: len(last)] == last
+    assert len(last) - 1 in content_breaks(llama, next_turn)
 
 
 def test_short_stretches_and_single_paragraphs_get_no_breaks(llama: Llama) -> None:
