@@ -68,8 +68,8 @@ def result_key(
     the API drew (its output is meant to differ from any other's).
 
     Greedy output does not read top_p or the seed, so they are left out and greedy requests
-    differing only there share a result. `speculation` is left out too: it is not applied yet,
-    and drafting will be held to plain decoding's output (issue 33).
+    differing only there share a result. `speculation` is left out too: drafts are verified
+    by rows computed as alone, so output with drafting is plain decoding's.
     """
     greedy = order.temperature == 0
     if not greedy and not explicit_seed:

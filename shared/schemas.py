@@ -340,16 +340,13 @@ class ExtractOrder(BaseModel):
 
 
 class SpeculationReport(BaseModel):
-    """How speculative decoding did in one job (no engine drafts yet: always absent)."""
+    """How drafting did in one job that asked for it (worker/conclave/drafts.py): draft rows
+    its passes carried, and how many of them it wrote."""
 
     mode: Speculation
     drafted: int = 0
     accepted: int = 0
     acceptance_rate: float | None = None
-    # The worker's estimate of decode speed with drafting over without (None: not measured).
-    speedup: float | None = None
-    # Greedy near ties decided again one token at a time, so output equals plain decoding.s.
-    tie_replays: int = 0
 
 
 class DocumentReport(BaseModel):

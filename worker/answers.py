@@ -141,6 +141,9 @@ class Answering:
     answers: dict[str, Answer] = field(init=False)
     cancelled: bool = False
     drifted: bool = False  # see worker.outcomes.Extracted.reproducible
+    # Draft rows its questions' passes carried, and how many of them were written.
+    drafted: int = 0
+    accepted: int = 0
 
     def __post_init__(self) -> None:
         llama, stop = self.llama, self.order.stop

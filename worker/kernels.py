@@ -51,6 +51,13 @@ def exact_rows() -> ctypes.c_int | None:
     return None
 
 
+def exact_row_limit() -> int:
+    """The most rows a decode pass may have and still compute each row as alone: below the
+    switch's threshold; 1 on a wheel without it (whose kernels batch from 2 rows)."""
+    threshold = exact_rows()
+    return 1 if threshold is None else threshold.value - 1
+
+
 @contextlib.contextmanager
 def prompt_chunk_kernels() -> Iterator[None]:
     """Passes inside take the sdist's row thresholds: for prompt chunks only."""

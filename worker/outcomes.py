@@ -8,6 +8,8 @@ from shared.schemas import (
     ExtractionResult,
     ExtractOrder,
     JobResult,
+    Speculation,
+    SpeculationReport,
     Timings,
     Usage,
     WarmResult,
@@ -26,6 +28,8 @@ class Generation:
     # False: the output may depend on what ran beside it (worker/conclave/streams.py Ended),
     # so it is not stored as the request's result.
     reproducible: bool = True
+    # What drafting did, when the job asked for it.
+    speculation: SpeculationReport | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,7 @@ class Extracted:
     prefix_tokens: int
     # False: an answer may depend on what ran beside it (worker/conclave/streams.py Ended).
     reproducible: bool = True
+    speculation: SpeculationReport | None = None
 
 
 def extraction_outcome(
@@ -63,7 +68,16 @@ def extraction_outcome(
     )
     first = min((a.timings.ttft_ms for a in answers.values() if a.timings.ttft_ms), default=None)
     timings = Timings(prefill_ms=(prefilled - started) * 1000, ttft_ms=first)
-    return Extracted(result, usage, timings, len(prefix), not answering.drifted)
+    speculation = speculation_report(order.speculation, answering.drafted, answering.accepted)
+    return Extracted(result, usage, timings, len(prefix), not answering.drifted, speculation)
+
+
+def speculation_report(mode: Speculation, drafted: int, accepted: int) -> SpeculationReport | None:
+    """What drafting did for a job's streams; None when the job did not ask for it."""
+    if mode == "off":
+        return None
+    rate = accepted / drafted if drafted else None
+    return SpeculationReport(mode=mode, drafted=drafted, accepted=accepted, acceptance_rate=rate)
 
 
 def warm_result(target: int, cached: int, reached: int) -> WarmResult:

@@ -16,7 +16,7 @@ from rq import get_current_job
 from rq.job import Job
 
 from shared import keys
-from shared.job_metrics import record_job
+from shared.job_metrics import record_job, record_speculation
 from shared.job_store import JobStore
 from shared.prefix_cache import CounterPublisher
 from shared.prefix_usage import PrefixUsage
@@ -30,6 +30,7 @@ from shared.schemas import (
     JobResult,
     JobStatus,
     ResultKey,
+    SpeculationReport,
     Timings,
     Usage,
     WarmOrder,
@@ -90,6 +91,7 @@ class Runtime:
             generation.timings,
             generation.result,
             order.result_key if generation.reproducible else None,
+            generation.speculation,
         )
         if order.document is not None and generation.prefix_tokens is not None:
             record = partial(
@@ -109,7 +111,8 @@ class Runtime:
         order, done = outcome
         cancelled = any(a.finish_reason == "cancelled" for a in done.result.answers.values())
         key = order.result_key if done.reproducible else None
-        self._finish(job_id, cancelled, done.usage, done.timings, done.result, key)
+        result, speculation = done.result, done.speculation
+        self._finish(job_id, cancelled, done.usage, done.timings, result, key, speculation)
         self._waiter.call(
             lambda: self._record_prefix_use(
                 order.document, order.cache_namespace, done.usage, done.prefix_tokens
@@ -168,10 +171,13 @@ class Runtime:
         timings: Timings,
         result: JobResult | ExtractionResult,
         result_key: ResultKey | None = None,
+        speculation: SpeculationReport | None = None,
     ) -> None:
         """`result_key`: where to store the result, None when the run's output may depend on
         what ran beside it (decided beside other rows without exactness for them)."""
-        record = partial(self._record, job_id, cancelled, usage, timings, result, result_key)
+        record = partial(
+            self._record, job_id, cancelled, usage, timings, result, result_key, speculation
+        )
         self._waiter.call(record)
 
     def _record(
@@ -182,6 +188,7 @@ class Runtime:
         timings: Timings,
         result: JobResult | ExtractionResult,
         result_key: ResultKey | None,
+        speculation: SpeculationReport | None,
     ) -> None:
         """The finish script ends a job once; repeating this after a failure re-stores nothing
         (storing its result again writes the same entry)."""
@@ -194,6 +201,7 @@ class Runtime:
             status,
             result=None if isinstance(result, ExtractionResult) else result,
             extraction=result if isinstance(result, ExtractionResult) else None,
+            speculation=speculation,
             usage=usage,
             timings=timings,
         )
@@ -201,6 +209,8 @@ class Runtime:
         if result_key is not None and not cancelled and not usage.resumed_tokens:
             self._store_result(job_id, result_key, result, usage)
         record_job(self._redis, usage, timings)
+        if speculation is not None:
+            record_speculation(self._redis, speculation)
         if self._counters is not None:
             self._counters.publish()
 

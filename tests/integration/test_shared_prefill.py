@@ -93,8 +93,14 @@ class Run:
         return self.tokens
 
 
+_lone_runs: dict[str, list[int]] = {}
+
+
 def lone(engine: ConclaveEngine, question: str) -> list[int]:
-    return Run(engine, request(engine, question, next(_namespaces))).finish()
+    """A question's tokens run alone and cold (once per module: the same run gives the same)."""
+    if question not in _lone_runs:
+        _lone_runs[question] = Run(engine, request(engine, question, next(_namespaces))).finish()
+    return _lone_runs[question]
 
 
 def test_questions_arriving_together_read_their_document_once(engine: ConclaveEngine) -> None:

@@ -1,7 +1,6 @@
-"""The request's `speculation` field: validated and accepted, not applied (issue 33, item 2).
-
-No engine drafts today: a request asking for speculation is decoded plainly, so its output is
-the plain one, and it reports no `speculation`.
+"""The request's `speculation` field through the job path: drafts ride in the Conclave's
+decode passes (worker/conclave/drafts.py), the output is plain decoding's, and the job reports
+what drafting did (its record, /metrics' counters).
 """
 
 from __future__ import annotations
@@ -25,26 +24,45 @@ def _finished(stack: Stack, body: dict[str, Any]) -> dict[str, Any]:
     return wait_status(stack, submit(stack, body | {"cache": False})["id"], {"finished"}, 120)
 
 
-def test_speculation_is_accepted_and_decodes_plainly(stack: Stack) -> None:
+def _drafted(stack: Stack) -> tuple[int, int]:
+    metrics = httpx.get(f"{stack.url}/metrics").text
+    counts = {
+        line.split()[0]: int(float(line.split()[1]))
+        for line in metrics.splitlines()
+        if line.startswith("granary_speculation_")
+    }
+    return counts["granary_speculation_drafted_tokens_total"], counts[
+        "granary_speculation_accepted_tokens_total"
+    ]
+
+
+def test_a_request_asking_for_speculation_drafts_and_writes_the_plain_text(stack: Stack) -> None:
     plain = _finished(stack, COPY)
-    assert plain["speculation"] is None  # `jobs.speculation`
-    for mode in ("auto", "on"):
-        asked = _finished(stack, COPY | {"speculation": mode})
-        assert asked["result"]["text"] == plain["result"]["text"]
-        assert asked["speculation"] is None
+    assert plain["speculation"] is None  # `jobs.speculation`: off
+    before = _drafted(stack)
+    forced = _finished(stack, COPY | {"speculation": "on"})
+    assert forced["result"]["text"] == plain["result"]["text"]
+    report = forced["speculation"]
+    assert report["mode"] == "on" and report["accepted"] > 0
+    assert report["acceptance_rate"] == report["accepted"] / report["drafted"]
+    after = _drafted(stack)
+    assert after[0] - before[0] >= report["drafted"] and after[1] - before[1] >= report["accepted"]
+    auto = _finished(stack, COPY | {"speculation": "auto"})
+    assert auto["result"]["text"] == plain["result"]["text"]
+    assert auto["speculation"]["mode"] == "auto"
     bad = httpx.post(f"{stack.url}/v1/jobs", json=COPY | {"speculation": "always"})
     assert bad.status_code == 400 and bad.json()["error"]["field"] == "speculation"
 
 
-def test_a_seeded_request_asking_for_speculation_samples_as_without(stack: Stack) -> None:
+def test_a_seeded_request_drafting_samples_as_without(stack: Stack) -> None:
     sampled = COPY | {"temperature": 0.8, "seed": 11}
     plain = _finished(stack, sampled)
     forced = _finished(stack, sampled | {"speculation": "on"})
     assert forced["result"]["text"] == plain["result"]["text"]
-    assert forced["speculation"] is None
+    assert forced["speculation"]["drafted"] > 0
 
 
-def test_an_extraction_asking_for_speculation_answers_plainly(stack: Stack) -> None:
+def test_an_extraction_drafting_answers_as_without(stack: Stack) -> None:
     body = {
         "document": TEXT,
         "questions": [{"id": "copy", "question": "Repeat the document exactly."}],
@@ -56,7 +74,8 @@ def test_an_extraction_asking_for_speculation_answers_plainly(stack: Stack) -> N
         job = httpx.post(f"{stack.url}/v1/extractions", json=body | extra).json()
         return wait_status(stack, job["id"], {"finished"}, 120)
 
-    plain, asked = run({"speculation": "off"}), run({"speculation": "auto"})
+    plain, asked = run({"speculation": "off"}), run({"speculation": "on"})
     answer = asked["extraction"]["answers"]["copy"]["text"]
     assert answer == plain["extraction"]["answers"]["copy"]["text"]
-    assert asked["speculation"] is None
+    assert plain["speculation"] is None
+    assert asked["speculation"]["mode"] == "on" and asked["speculation"]["drafted"] > 0

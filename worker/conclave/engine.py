@@ -40,7 +40,7 @@ from worker.conclave.streams import (
     wait_ended,
     wait_started,
 )
-from worker.outcomes import Extracted, Generation, warm_result
+from worker.outcomes import Extracted, Generation, speculation_report, warm_result
 from worker.prefix_saver import PrefixSaver
 from worker.prompt_breaks import prompt_breaks
 from worker.resume import NOTHING, Streamed, text_stream
@@ -108,6 +108,7 @@ class ConclaveEngine:
             sampling=Sampling(order.temperature, order.top_p, order.seed),
             document=_document(order, boundary),
             declared=boundary is not None,
+            speculation=order.speculation,
         )
         sink = TextSink(self.llama, text, decoded, max_tokens, on_token)
         handle = self.conclave.handle(request, lambda event: sink.push(event.token))
@@ -125,7 +126,8 @@ class ConclaveEngine:
         )
         timings = decoded.timings(started, begun.prefill_started, begun.restore_ms, ended.at)
         generation = _generation(decoded, usage, boundary, timings)
-        return replace(generation, reproducible=not ended.drifted)
+        speculation = speculation_report(order.speculation, ended.drafted, ended.accepted)
+        return replace(generation, reproducible=not ended.drifted, speculation=speculation)
 
     def extract(
         self,

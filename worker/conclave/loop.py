@@ -39,6 +39,7 @@ from shared.errors import ContextOverflow
 from shared.prefix_cache import CacheHit, PrefixCache, common_prefix_len, restorable_tokens
 from worker import kv_state
 from worker.chunk_ends import chunk_end, chunk_ends, snapshot_points
+from worker.conclave.drafts import Acceptance, PassCost, StreamDrafts, plan_drafts
 from worker.conclave.memory import Memory, Resident
 from worker.conclave.near_tie import TIE_MARGIN, is_near_tie
 from worker.conclave.streams import (
@@ -52,7 +53,7 @@ from worker.conclave.streams import (
     Token,
 )
 from worker.decode_batch import fill_batch
-from worker.kernels import prompt_chunk_kernels
+from worker.kernels import exact_row_limit, prompt_chunk_kernels
 from worker.prefix_saver import PrefixSaver
 from worker.sampling import sample
 
@@ -94,6 +95,8 @@ class _Stream:
     reach: int = 0
     # Prefilling: the most urgent priority of the streams waiting on this one's prefill.
     led_priority: int | None = None
+    # Decoding with `speculation` on or auto, on row-invariant kernels (drafts.py).
+    drafts: StreamDrafts | None = None
 
     @property
     def request(self) -> StreamRequest:
@@ -139,6 +142,10 @@ class Conclave:
         self._cut_snapshots = truncatable
         self._exact = exact
         self.rows_invariant = False
+        # What decode passes cost by their rows, and the most rows one may have and stay exact.
+        self._pass_cost = PassCost()
+        self._acceptance = Acceptance()  # of every drafting stream's guesses
+        self._max_rows = exact_row_limit()
         mem = llama_cpp.llama_get_memory(llama.ctx)
         self._mem = mem
         llama_cpp.llama_memory_clear(mem, True)
@@ -491,6 +498,9 @@ class Conclave:
         stream.next_token = request.tokens[stream.pos]
         stream.exact_until = stream.pos
         stream.rng = np.random.default_rng(request.sampling.seed)
+        if request.speculation != "off" and self.rows_invariant:
+            prompt = request.tokens[: stream.pos + 1]
+            stream.drafts = StreamDrafts(request.speculation, prompt, self._acceptance)
 
     def _step(self) -> bool:
         """One token for every decoding stream: one llama_decode for the batch, one for each
@@ -500,26 +510,65 @@ class Conclave:
             return False
         alone = [s for s in decoding if s.alone]
         batch = [s for s in decoding if not s.alone]
-        if len(batch) == 1:
+        drafts = self._plan_drafts(batch)
+        # A drafting stream takes the batched path alone too, where its guesses are scored
+        # and its passes timed (on row-invariant kernels a pass of one row is a lone step).
+        if len(batch) == 1 and batch[0].drafts is None:
             alone, batch = [*alone, *batch], []
         if batch:
-            self._batched_step(batch)
+            self._batched_step(batch, drafts)
         for stream in alone:
             self._lone_step(stream)
         return True
 
-    def _batched_step(self, batch: list[_Stream]) -> None:
+    def _plan_drafts(self, batch: list[_Stream]) -> dict[_Stream, list[int]]:
+        """The draft rows each stream adds to this pass (`drafts.plan_drafts`); only on
+        row-invariant kernels, where a pass computes every row as a lone decode would."""
+        offers = {}
+        for key, stream in enumerate(batch):
+            if stream.drafts is None:
+                continue
+            # Drafts past the tokens it may still write, or past its sequence's cells, are waste.
+            room = min(
+                stream.request.max_new - stream.generated - 1,
+                self.cells_per_seq - stream.pos - 1,
+            )
+            offer = stream.drafts.offer(key, room)
+            if offer is not None:
+                offers[key] = offer
+        if not offers:
+            return {}
+        estimate = self._pass_cost.estimate
+        planned = plan_drafts(len(batch), list(offers.values()), estimate, self._max_rows)
+        return {
+            batch[key]: batch[key].drafts.take(k)  # type: ignore[union-attr]
+            for key, k in planned.items()
+            if k > 0
+        }
+
+    def _batched_step(self, batch: list[_Stream], drafts: dict[_Stream, list[int]]) -> None:
         # One run of increasing sequence ids, or llama.cpp makes a pass per run (memory.py).
         self._memory.compact({s.seq for s in batch})
         batch.sort(key=lambda s: s.seq)
+        rows: list[tuple[int, int, int]] = []
+        firsts: list[int] = []
+        for s in batch:
+            firsts.append(len(rows))
+            rows.append((s.next_token, s.pos, s.seq))
+            rows += [(t, s.pos + 1 + i, s.seq) for i, t in enumerate(drafts.get(s, ()))]
+        started = time.perf_counter()
         try:
-            self._decode([(s.next_token, s.pos, s.seq) for s in batch], logits=True)
+            self._decode(rows, logits=True)
         except Exception as exc:
             for stream in batch:
                 self._fail(stream, exc)
             return
+        self._pass_cost.record(len(rows), time.perf_counter() - started)
         ties = []
-        for row, stream in enumerate(batch):
+        for row, stream in zip(firsts, batch, strict=True):
+            if stream.drafts is not None:
+                self._take_drafted(stream, row, drafts.get(stream, []))
+                continue
             logits = self._logits(row)
             exact_greedy = self._exact and stream.request.sampling.greedy
             if self.rows_invariant:
@@ -559,6 +608,21 @@ class Conclave:
             stream.exact_until += 1
         self._take(stream, logits)
 
+    def _take_drafted(self, stream: _Stream, row: int, draft: list[int]) -> None:
+        """Sample row after row while the stream's sampler writes what its draft guessed: each
+        such row's cell is the one plain decoding writes there (row-invariant kernels). The
+        cells past the last row taken are dropped."""
+        assert stream.drafts is not None
+        written = stream.pos
+        for i in range(len(draft) + 1):
+            stream.exact_until = stream.pos + 1
+            going = self._take(stream, self._logits(row + i))
+            if not going or i == len(draft) or stream.next_token != draft[i]:
+                break
+        stream.drafts.taken(draft, stream.pos - written - 1, stream.next_token)
+        if draft:
+            llama_cpp.llama_memory_seq_rm(self._mem, stream.seq, stream.pos, -1)
+
     def _replay_alone(self, stream: _Stream) -> None:
         """Recompute one token at a time every cell of `stream` a batched step wrote; then row
         0's logits are a lone run's."""
@@ -572,28 +636,44 @@ class Conclave:
         stream.exact_until = stream.pos + 1
         stream.replays += 1
 
-    def _take(self, stream: _Stream, logits: Logits) -> None:
-        """The cell for `next_token` is written: sample what follows it."""
+    def _take(self, stream: _Stream, logits: Logits) -> bool:
+        """The cell for `next_token` is written: sample what follows it. False once the
+        stream ended or is to end (a stop string, a cancel) before its next step."""
         assert stream.resident is not None and stream.rng is not None
         stream.resident.tokens.append(stream.next_token)
         stream.pos += 1
         token = sample(logits, stream.request.sampling, stream.rng)
         if llama_cpp.llama_vocab_is_eog(self._vocab, token):
             self._end(stream, "stop")
-            return
+            return False
         stream.generated += 1
         stream.next_token = token
+        if stream.drafts is not None:
+            stream.drafts.lookup.extend([token])
         stream.handle.token(Token(token, time.perf_counter()))
         self._save_snapshots(stream)
         if stream.generated >= stream.request.max_new:
             self._end(stream, "length")
+            return False
+        return not stream.handle.cancelled.is_set()
 
     def _end(self, stream: _Stream, reason: EndReason | None) -> None:
         """Finish a stream; its sequence stays resident for reuse. `None`: already said."""
         if stream.resident is not None:
             self._save_snapshots(stream)
         if reason is not None:
-            stream.handle.put(Ended(reason, stream.pos, stream.replays, stream.drifted))
+            drafts = stream.drafts
+            drafted, accepted = (drafts.drafted, drafts.accepted) if drafts else (0, 0)
+            stream.handle.put(
+                Ended(
+                    reason,
+                    stream.pos,
+                    stream.replays,
+                    stream.drifted,
+                    drafted=drafted,
+                    accepted=accepted,
+                )
+            )
         if stream.resident is not None:
             self._memory.release(stream.resident)
         self._forget_stream(stream)

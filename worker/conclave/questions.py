@@ -126,6 +126,7 @@ def _answer(
                 priority,
                 max_new=answering.budget(i),
                 sampling=Sampling(order.temperature, order.top_p, (order.seed + i) % 2**32),
+                speculation=order.speculation,
             )
             on_token = partial(_on_token, answering, questions[j])
             handle = conclave.handle(request, on_token, events, tag=j)
@@ -150,6 +151,8 @@ def _on_event(answering: Answering, question: _Question, event: Event | None, t0
         return 0
     finish: Finish = "length" if event.reason == "length" else "stop"
     answering.drifted = answering.drifted or event.drifted
+    answering.drafted += event.drafted
+    answering.accepted += event.accepted
     ttft = ((question.first_at or event.at) - t0) * 1000
     rate = None
     if question.first_at and question.last_at and question.last_at > question.first_at:

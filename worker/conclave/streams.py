@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from worker.conclave.drafts import Mode
 from worker.sampling import Sampling
 
 # Prefill order between priority classes: the rq queue a job came from (shared/queues.py).
@@ -50,6 +51,8 @@ class StreamRequest:
     # The breaks hold a declared shared prefix's end (a document), not the prompt's own
     # (worker/chunk_ends.py snapshot_points).
     declared: bool = True
+    # Draft rows from the stream's own tokens (worker/conclave/drafts.py).
+    speculation: Mode = "off"
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -95,6 +98,9 @@ class Ended:
     # perf_counter when the end was decided: for a stream whose first sample ended it (no
     # token), the time to that decision is its time to first token.
     at: float = field(default_factory=time.perf_counter)
+    # Draft tokens the stream's passes carried, and how many of them it wrote.
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,98 @@
+"""Drafting's decisions without a model (worker/conclave/drafts.py): the prompt lookup, the
+pass cost it learns, and how many drafts a pass carries."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.conclave.drafts import (
+    MAX_DRAFT,
+    Acceptance,
+    Offer,
+    PassCost,
+    PromptLookup,
+    StreamDrafts,
+    plan_drafts,
+)
+
+QUOTE = [11, 12, 13, 14, 15, 16, 17, 18]
+
+
+def test_the_lookup_continues_the_span_its_last_tokens_copy() -> None:
+    lookup = PromptLookup([1, 2, *QUOTE, 3, 4, 11, 12])
+    assert lookup.propose(4) == [13, 14, 15, 16]
+    lookup.extend([13, 14])  # followed: the same span goes on
+    assert lookup.propose(3) == [15, 16, 17]
+    lookup.extend([99])  # left the span: no n-gram ending in 99 was ever followed
+    assert lookup.propose(3) == []
+
+
+def test_the_lookup_never_matches_its_own_tail() -> None:
+    assert PromptLookup([5, 6, 7, 8]).propose(2) == []
+
+
+def test_a_pass_cost_never_measured_is_extrapolated_from_below() -> None:
+    cost = PassCost()
+    assert cost.estimate(1) is None
+    cost.record(1, 0.040)
+    assert cost.estimate(1) == pytest.approx(0.040)
+    four = cost.estimate(4)
+    assert four is not None and 0.040 < four < 4 * 0.040
+    cost.record(4, 0.200)  # measured dearer than the prior: the measurement wins
+    assert cost.estimate(4) == pytest.approx(0.200)
+    assert cost.estimate(5) > 0.200  # type: ignore[operator]
+
+
+def linear(one_row: float, per_row: float) -> PassCost:
+    cost = PassCost()
+    for rows in range(1, 32):
+        cost.record(rows, one_row + per_row * (rows - 1))
+    return cost
+
+
+def test_a_lone_stream_drafts_when_its_guesses_come_true_and_not_when_they_do_not() -> None:
+    cost = linear(0.040, 0.026)  # a row more costs 0.65 of one row
+    copying = plan_drafts(1, [Offer(0, "auto", 0.9, MAX_DRAFT)], cost.estimate, 31)
+    assert copying[0] >= 2
+    free_text = plan_drafts(1, [Offer(0, "auto", 0.3, MAX_DRAFT)], cost.estimate, 31)
+    assert free_text[0] == 0
+
+
+def test_under_load_drafting_turns_itself_down() -> None:
+    cost = linear(0.040, 0.026)
+    offers = [Offer(key, "auto", 0.8, MAX_DRAFT) for key in range(8)]
+    assert sum(plan_drafts(8, offers, cost.estimate, 31).values()) == 0
+    # Rows that cost little beside the others (a pass bound by reading the weights): it pays.
+    cheap = linear(0.040, 0.004)
+    assert sum(plan_drafts(8, offers, cheap.estimate, 31).values()) > 0
+
+
+def test_the_likeliest_drafts_go_first_and_the_row_budget_holds() -> None:
+    cheap = linear(0.040, 0.001)
+    offers = [Offer(0, "auto", 0.95, MAX_DRAFT), Offer(1, "auto", 0.5, MAX_DRAFT)]
+    planned = plan_drafts(2, offers, cheap.estimate, 31)
+    assert planned[0] >= planned[1]
+    many = [Offer(key, "auto", 0.99, MAX_DRAFT) for key in range(6)]
+    assert 6 + sum(plan_drafts(6, many, cheap.estimate, 31).values()) <= 31
+
+
+def test_on_drafts_all_it_has_within_the_budget_and_nothing_drafts_unmeasured() -> None:
+    unmeasured = PassCost()
+    offers = [Offer(0, "on", 0.1, 5), Offer(1, "auto", 0.99, 5)]
+    assert plan_drafts(2, offers, unmeasured.estimate, 31) == {0: 5, 1: 0}
+    assert plan_drafts(2, [Offer(0, "on", 0.1, 5)], unmeasured.estimate, 4) == {0: 2}
+
+
+def test_a_stream_learns_from_plain_passes_and_from_its_drafts() -> None:
+    worker = Acceptance(0.3)
+    drafts = StreamDrafts("auto", [1, 2, *QUOTE, 3, 11, 12], worker)
+    offer = drafts.offer(0, 4)
+    assert offer is not None and offer.available == 4 and offer.acceptance == 0.3
+    drafts.taken([], 0, 13)  # a plain pass wrote the guessed token
+    assert drafts.acceptance.rate > 0.3 and worker.rate > 0.3
+    before = drafts.acceptance.rate
+    drafts.offer(0, 4)
+    drafts.taken(drafts.take(3), 1, 77)  # one accepted, the second rejected
+    assert (drafts.drafted, drafts.accepted) == (3, 1)
+    assert drafts.acceptance.rate < before + 0.1  # one hit, one miss
+    assert StreamDrafts("on", [1, 2, 3], worker).acceptance.rate == worker.rate

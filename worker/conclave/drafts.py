@@ -1,0 +1,228 @@
+"""Speculation inside shared steps: free drafts, and how many of them a pass should carry.
+
+A stream with `speculation` `on` or `auto` may add draft rows to the turn's decode pass: the
+tokens that followed the last occurrence of its current n-gram in its own prompt and output
+(prompt lookup: extraction answers copy spans of their document, long outputs repeat
+themselves). The pass computes every row as a lone decode would (the row-invariant kernels,
+checked at start-up), so a draft accepted by the stream's own sampler is the token plain
+decoding writes there, and greedy output with drafts equals output without.
+
+How many drafts a pass carries is decided for the whole pass (`plan_drafts`): a draft row is
+worth its cost only if the pass's tokens per second rise, and the cost of a pass grows with its
+rows (measured here, `PassCost`: on 2 cores a 4-row pass cost ~3x one row on Qwen2.5). So under
+load, where the pass is already wide, drafting turns itself down, and it comes back when the
+pass narrows. A stream's chance of accepting its next draft (`Acceptance`) is learned on every
+step, drafting or not: on a plain step the lookup's guess is scored against the token written.
+Every pass stays below the row count from which the kernels take their batched path
+(`granary_exact_rows`), so drafting never costs exactness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Mode = Literal["auto", "on", "off"]
+
+# Drafts per stream and pass at most: a longer draft is rarely accepted whole.
+MAX_DRAFT = 8
+# N-gram lengths the lookup matches, longest first: a longer match is stronger evidence.
+MIN_N, MAX_N = 2, 4
+# Weight of the newest observation in the moving averages.
+SMOOTHING = 0.1
+# What a pass of r rows costs before one was measured: one row's cost and this share of it for
+# each added row (Qwen2.5 on 2 cores: 4 rows ~2.95x one row, docs/BENCHMARKS.md batch rows).
+PRIOR_ROW_SHARE = 0.65
+# A stream's acceptance before anything was observed: unknown text is free text.
+PRIOR_ACCEPTANCE = 0.3
+
+
+class PromptLookup:
+    """The tokens that followed the latest earlier occurrence of the sequence's last n tokens.
+
+    Only n-grams that something followed are indexed, so the tail never matches itself. Once a
+    proposal is followed, the next one continues the same span instead of matching again: in a
+    document whose lines share short n-grams, re-matching would jump mid-quote to another line.
+    """
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.tokens: list[int] = []
+        # One dict per n: n-gram -> position of the token that followed its latest occurrence.
+        self._next: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(MIN_N, MAX_N + 1)}
+        # Position of the token the span being copied says comes next; None: not copying.
+        self._cursor: int | None = None
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        seq = self.tokens
+        for token in tokens:
+            end = len(seq)
+            cursor = self._cursor
+            if cursor is not None:
+                self._cursor = cursor + 1 if cursor < end and seq[cursor] == token else None
+            for n in self._next:
+                if end >= n:
+                    self._next[n][tuple(seq[end - n : end])] = end
+            seq.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` tokens guessed to follow; [] without a match."""
+        if k <= 0:
+            return []
+        if self._cursor is None:
+            self._cursor = self._match()
+        if self._cursor is None:
+            return []
+        return _continue_from(self.tokens, self._cursor, k)
+
+    def _match(self) -> int | None:
+        seq = self.tokens
+        for n in range(MAX_N, MIN_N - 1, -1):
+            if len(seq) >= n and (start := self._next[n].get(tuple(seq[-n:]))) is not None:
+                return start
+        return None
+
+
+def _continue_from(seq: Sequence[int], start: int, k: int) -> list[int]:
+    """`k` tokens copied from `seq[start:]`, running on into the draft itself: a match close to
+    the end means the text loops with period len(seq) - start."""
+    draft: list[int] = []
+    end = len(seq)
+    for i in range(start, start + k):
+        draft.append(seq[i] if i < end else draft[i - end])
+    return draft
+
+
+class Acceptance:
+    """A moving average of whether a stream's next guessed token was the one written."""
+
+    def __init__(self, rate: float = PRIOR_ACCEPTANCE) -> None:
+        self.rate = rate
+
+    def observe(self, accepted: bool) -> None:
+        self.rate += SMOOTHING * (float(accepted) - self.rate)
+
+
+class PassCost:
+    """Seconds a decode pass of r rows takes, a moving average per row count; a count never
+    measured is extrapolated from the nearest one below that was (or from one row's cost)."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        known = self._seconds.get(rows)
+        self._seconds[rows] = seconds if known is None else known + SMOOTHING * (seconds - known)
+
+    def estimate(self, rows: int) -> float | None:
+        if rows in self._seconds:
+            return self._seconds[rows]
+        below = [r for r in self._seconds if r < rows]
+        if not below:
+            return None
+        base = max(below)
+        one_row = self._seconds.get(1, self._seconds[base] / (1 + PRIOR_ROW_SHARE * (base - 1)))
+        return self._seconds[base] + PRIOR_ROW_SHARE * one_row * (rows - base)
+
+
+class StreamDrafts:
+    """One stream's drafting: its lookup, how often its guesses come true, what it drafted."""
+
+    def __init__(self, mode: Mode, tokens: Sequence[int], worker: Acceptance) -> None:
+        """`worker`: the acceptance of every stream so far, which this one starts from (an
+        extraction's short answers end before a rate of their own would be learned) and
+        keeps up to date."""
+        self.mode = mode
+        self.lookup = PromptLookup(tokens)
+        self.acceptance = Acceptance(worker.rate)
+        self._worker = worker
+        self.drafted = 0  # draft rows its passes carried
+        self.accepted = 0  # of which it wrote the token
+        self._proposal: list[int] = []
+
+    def offer(self, key: int, room: int) -> Offer | None:
+        """What this stream could add to the next pass (up to `room` rows), if anything."""
+        self._proposal = self.lookup.propose(min(MAX_DRAFT, room))
+        if not self._proposal:
+            return None
+        return Offer(key, self.mode, self.acceptance.rate, len(self._proposal))
+
+    def take(self, k: int) -> list[int]:
+        """The first `k` tokens of the last offer, as draft rows."""
+        return self._proposal[:k]
+
+    def taken(self, draft: Sequence[int], accepted: int, written: int) -> None:
+        """After the pass: `accepted` of `draft` were written; `written` is the token sampled
+        after them. A pass without drafts scores the offer's first guess against it."""
+        self.drafted += len(draft)
+        self.accepted += accepted
+        for i in range(min(accepted + 1, len(draft))):
+            self._observe(i < accepted)
+        if not draft and self._proposal:
+            self._observe(self._proposal[0] == written)
+        self._proposal = []
+
+    def _observe(self, accepted: bool) -> None:
+        self.acceptance.observe(accepted)
+        self._worker.observe(accepted)
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """A stream's drafts for this pass: its mode, its acceptance rate and how many it has."""
+
+    key: int
+    mode: Mode
+    acceptance: float
+    available: int
+
+
+def plan_drafts(
+    rows: int, offers: Sequence[Offer], cost: Callable[[int], float | None], max_rows: int
+) -> dict[int, int]:
+    """How many drafts each offer puts in a pass of `rows` plain rows (one per decoding stream).
+
+    `on` streams draft all they have; `auto` drafts are added, likeliest first, as far as the
+    expected tokens per second of the whole pass gain by them (a draft is expected to yield a
+    token with probability acceptance ** position). Never more than `max_rows` rows in all.
+    """
+    room = max_rows - rows
+    planned = {offer.key: 0 for offer in offers}
+    for offer in offers:
+        if offer.mode == "on":
+            planned[offer.key] = take = max(0, min(offer.available, room))
+            room -= take
+    extra = sum(planned.values())
+    tokens = rows + sum(
+        offer.acceptance**i
+        for offer in offers
+        for i in range(1, planned[offer.key] + 1)
+        if offer.mode == "on"
+    )
+    # The auto drafts in the order their expected tokens fall: within a stream that is its order.
+    candidates = sorted(
+        (
+            (offer.acceptance**i, offer.key)
+            for offer in offers
+            if offer.mode == "auto"
+            for i in range(1, min(offer.available, MAX_DRAFT) + 1)
+        ),
+        reverse=True,
+    )[: max(0, room)]
+    best_rate, best_n = _rate(tokens, cost(rows + extra)), 0
+    gained = tokens
+    for n, (expected, _key) in enumerate(candidates, start=1):
+        gained += expected
+        rate = _rate(gained, cost(rows + extra + n))
+        if rate > best_rate:
+            best_rate, best_n = rate, n
+    for _expected, key in candidates[:best_n]:
+        planned[key] += 1
+    return planned
+
+
+def _rate(tokens: float, seconds: float | None) -> float:
+    if seconds is None or seconds <= 0:
+        return 0.0
+    return tokens / seconds
