@@ -131,9 +131,19 @@ def _exam_section(redis_url: str, log_dir: Path, saved: Path | None) -> str:
     return exam.section(runs, docs, settings)
 
 
-def _speculation_section() -> str:
-    # No engine drafts until issue 33's item 2: three modes that decode alike are not measured.
-    return speculation.PENDING
+def _speculation_section(redis_url: str, log_dir: Path, quick: bool) -> str:
+    rounds = 1 if quick else 3
+    results: dict[str, speculation.Results] = {}
+    for model in ("qwen2.5-0.5b", "smollm2-135m"):
+        # Every job decodes: no result store, no cache state carried from another suite.
+        settings = _settings(redis_url, model, n_ctx=4096, n_threads=2, cache={"enabled": False})
+        stack = Stack(settings, log_dir)
+        stack.start()
+        try:
+            results[model] = speculation.measure(stack, rounds)
+        finally:
+            stack.stop()
+    return speculation.section(2, results, rounds)
 
 
 def _batch_rows_section(
@@ -261,7 +271,7 @@ def main() -> None:
             "result_cache": lambda: [_result_cache_section(redis_url, log_dir, args.quick)],
             "warm": lambda: [_warm_section(redis_url, log_dir, args.quick)],
             "extraction": lambda: [_extraction_section(redis_url, log_dir)],
-            "speculation": lambda: [_speculation_section()],
+            "speculation": lambda: [_speculation_section(redis_url, log_dir, args.quick)],
             "batch_rows": lambda: [
                 _batch_rows_section(redis_url, args.stock_site, args.invariant_site)
             ],

@@ -1,27 +1,23 @@
-"""Speculative decoding off, on and auto: decode speed on copy-heavy answers and on free text.
+"""Speculation off, on and auto on the default engine: decode speed, one stream and four.
 
-Pending issue 33, item 2: the one-job engine that drafted was retired, and the Conclave does
-not draft yet, so `make bench` writes `PENDING` in this section's place and measures nothing.
-The workloads below stay for item 2, which measures drafting inside the Conclave's shared
-steps; what follows describes the run as it was made on the retired engine.
+Drafts are prompt lookup (worker/conclave/drafts.py) riding in the Conclave's decode passes.
+One worker per model serves every job, greedy; the three modes take turns within each round
+(their order rotating round by round), and the ratio to `off` is taken per round (median and
+range). Workloads: clause quotes (document jobs asking for a clause word for word: copy-heavy),
+the same four questions as one extraction job (its answers decoded together), and free text (a
+new short essay each job: nothing to copy). Each is run with one job at a time and with four
+jobs submitted together.
 
-One worker serves every job, greedy, the three modes interleaved question by question (off,
-on, auto, off, ...), so machine drift hits all three alike; the worker's controller carries
-what it learned from job to job, as in production. The whole run is made twice: with exact
-greedy speculation (the default: near ties replayed alone) and without those replays.
-Workloads:
-- clause quotes: each answer quotes a clause of a contract, as extraction answers do;
-- the same questions as one extraction job (drafting inside the multi-question decode);
-- ledger quotes: answers are asked to quote ledger lines (the 0.5B model invents many of the
-  numbers, so less of each answer is a copy);
-- free-form generation: short essays, nothing to copy.
-Decode speed of a document or free-form job is the worker's own figure (answer tokens from the
-first to the last); of an extraction job, answer tokens over the job's time after the document
-prefill (the questions' own prefill included).
+Decode speed: answer tokens after the first over the time from the first answer token to the
+last, both from the worker's own timings (`started_at`, `ttft_ms`, `decode_tokens_per_s`); for
+four jobs together, the sum over the group's span (the first job's first token to the last
+job's last). An extraction job's questions are decoded together: its whole answer time after
+the document's prefill counts. "Same text" compares every job's text with `off`'s.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,28 +25,14 @@ from typing import Any
 
 import httpx
 
-from bench.prefix_cache import document
-from shared.settings import Settings
+from bench.paired import ratio_summary
 from tests.harness import Stack
 
-PENDING = """## Speculative decoding: off, on, auto
-
-Pending issue 33, item 2 (drafting inside the Conclave's shared steps). The request's
-`speculation` field is accepted and validated, and not applied: every job is decoded plainly
-and reports no `speculation`. The figures this section held were measured on the one-job
-engine (`worker.max_active_jobs = 1`), which has been retired with its speculative decoder; no
-code in the tree produces them now, so they are not shown. `bench/speculation.py` keeps the
-workloads (clause quotes as document jobs and as one extraction, ledger quotes, free text new
-and asked before) for item 2 to measure on the default engine.
-"""
-
 MODES = ("off", "on", "auto")
-VARIANTS = ("exact", "no tie replays")
 CLAUSES_ASKED = (2, 5, 9, 11)
-LINES = (4, 11, 19)
-TOPICS = ("the bicycle", "paper money", "the printing press", "lighthouses")
-# One per free-form job of the new-prompts workload: nothing in the archive answers them.
-NEW_TOPICS = (
+COPY_TOKENS = 96
+FREE_TOKENS = 96
+TOPICS = (
     "the compass",
     "glassmaking",
     "the telescope",
@@ -84,14 +66,23 @@ NEW_TOPICS = (
     "paper",
     "the wheel",
     "sailing ships",
+    "kites",
+    "mirrors",
+    "tunnels",
 )
-COPY_TOKENS = 96
-FREE_TOKENS = 96
+CONCURRENT = 4
+# The issue's targets, auto against off: (workload, streams) -> at least this ratio.
+TARGETS = {
+    ("clause quotes", 1): 1.5,
+    ("free text", 1): 0.97,
+    ("clause quotes", CONCURRENT): 0.97,
+    ("free text", CONCURRENT): 0.97,
+}
 
 
 @dataclass
-class Tally:
-    """Answer tokens and decode seconds of one mode on one workload, and what it drafted."""
+class Timed:
+    """One mode's jobs in one round: answer tokens, decode seconds, texts, drafts."""
 
     tokens: int = 0
     seconds: float = 0.0
@@ -101,198 +92,167 @@ class Tally:
 
     @property
     def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds else float("nan")
-
-    def add(self, tokens: int, seconds: float, view: dict[str, Any], text: str) -> None:
-        self.tokens += tokens
-        self.seconds += seconds
-        report = view.get("speculation") or {}
-        self.drafted += report.get("drafted", 0)
-        self.accepted += report.get("accepted", 0)
-        self.texts.append(text)
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-Measure = Callable[[httpx.Client, str], tuple[int, float, dict[str, Any], str]]
+def _submit(client: httpx.Client, path: str, body: dict[str, Any]) -> str:
+    job_id: str = client.post(path, json=body).json()["id"]
+    return job_id
 
 
-def _finished(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    job_id = client.post(path, json=body).json()["id"]
+def _wait(client: httpx.Client, job_id: str) -> dict[str, Any]:
     while (view := client.get(f"/v1/jobs/{job_id}").json())["status"] in ("queued", "started"):
-        time.sleep(0.05)
+        time.sleep(0.02)
     assert view["status"] == "finished", view
     result: dict[str, Any] = view
     return result
 
 
-def _generation(path_body: dict[str, Any]) -> Measure:
-    def measure(client: httpx.Client, mode: str) -> tuple[int, float, dict[str, Any], str]:
-        view = _finished(client, "/v1/jobs", path_body | {"speculation": mode})
-        tokens, rate = view["usage"]["completion_tokens"], view["timings"]["decode_tokens_per_s"]
-        if not rate:  # a one-token answer has no decode rate
-            return 0, 0.0, view, view["result"]["text"]
-        # The worker's rate runs from the first token to the last: tokens - 1 intervals.
-        return tokens - 1, (tokens - 1) / rate, view, view["result"]["text"]
-
-    return measure
+def _span(view: dict[str, Any]) -> tuple[int, float, float]:
+    """A generation job's answer tokens after the first, and when its first and last came."""
+    tokens, rate = view["usage"]["completion_tokens"], view["timings"]["decode_tokens_per_s"]
+    first = view["started_at"] + (view["timings"]["ttft_ms"] or 0) / 1000
+    if not rate or tokens < 2:
+        return 0, first, first
+    return tokens - 1, first, first + (tokens - 1) / rate
 
 
-def _extraction(body: dict[str, Any]) -> Measure:
-    def measure(client: httpx.Client, mode: str) -> tuple[int, float, dict[str, Any], str]:
-        view = _finished(client, "/v1/extractions", body | {"speculation": mode})
-        seconds = view["finished_at"] - view["started_at"] - view["timings"]["prefill_ms"] / 1000
+def _text(view: dict[str, Any]) -> str:
+    if view.get("extraction"):
         answers = view["extraction"]["answers"]
-        text = "\n".join(answers[k]["text"] for k in sorted(answers))
-        return view["usage"]["completion_tokens"], seconds, view, text
-
-    return measure
-
-
-CLAUSE_JOBS = "clause quotes (document jobs)"
-CLAUSE_EXTRACTION = "clause quotes (one extraction job, 4 questions decoded together)"
-FREE = "free-form generation, a new prompt every job"
-FREE_AGAIN = "free-form generation, prompts asked before (the archive holds their answers)"
+        return "\n".join(answers[k]["text"] for k in sorted(answers))
+    text: str = view["result"]["text"]
+    return text
 
 
-def _essay(topic: str) -> dict[str, Any]:
-    content = f"Write a paragraph on the history of {topic}."
-    messages = [{"role": "user", "content": content}]
-    return {"messages": messages, "temperature": 0, "max_tokens": FREE_TOKENS}
-
-
-def _new_essays() -> Measure:
-    topics = iter(NEW_TOPICS)
-
-    def measure(client: httpx.Client, mode: str) -> tuple[int, float, dict[str, Any], str]:
-        return _generation(_essay(next(topics)))(client, mode)
-
-    return measure
-
-
-def _workloads() -> dict[str, list[Measure]]:
-    clauses = [f"Quote clause {n} word for word." for n in CLAUSES_ASKED]
-    # As sent: the answers quote the document word for word.
-    contract = {
-        "document": CONTRACT,
-        "document_format": "raw",
-        "temperature": 0,
-        "max_tokens": COPY_TOKENS,
-    }
-    lines = [f"Quote lines {n} to {n + 2} of the ledger exactly as written." for n in LINES]
-    ledger = contract | {"document": document(40, seed=77).rsplit("\n", 1)[0]}
-    return {
-        CLAUSE_JOBS: [_generation(contract | {"prompt": q}) for q in clauses],
-        CLAUSE_EXTRACTION: [
-            _extraction(
-                contract
-                | {"questions": [{"id": str(i), "question": q} for i, q in enumerate(clauses)]}
+def _run_group(client: httpx.Client, jobs: list[tuple[str, dict[str, Any]]], mode: str) -> Timed:
+    """Submit `jobs` together (one of them: one at a time, by the caller) and time them."""
+    ids = [_submit(client, path, body | {"speculation": mode}) for path, body in jobs]
+    views = [_wait(client, job_id) for job_id in ids]
+    timed = Timed(texts=[_text(v) for v in views])
+    for view in views:
+        report = view.get("speculation") or {}
+        timed.drafted += report.get("drafted", 0)
+        timed.accepted += report.get("accepted", 0)
+    if views[0].get("extraction"):  # its questions decode together: the time after the prefill
+        for view in views:
+            timed.tokens += view["usage"]["completion_tokens"]
+            answer_s = (
+                view["finished_at"] - view["started_at"] - view["timings"]["prefill_ms"] / 1000
             )
-        ],
-        "ledger quotes (document jobs)": [_generation(ledger | {"prompt": q}) for q in lines],
-        FREE: [_new_essays()] * len(TOPICS),
-        FREE_AGAIN: [_generation(_essay(t)) for t in TOPICS],
+            timed.seconds += answer_s
+        return timed
+    spans = [_span(v) for v in views]
+    timed.tokens = sum(tokens for tokens, _, _ in spans)
+    timed.seconds = max(last for _, _, last in spans) - min(first for _, first, _ in spans)
+    return timed
+
+
+Jobs = Callable[[int], list[tuple[str, dict[str, Any]]]]  # a round's index -> its jobs
+
+
+def _workloads() -> dict[str, Jobs]:
+    contract = {"document": CONTRACT, "document_format": "raw", "temperature": 0}
+    clauses = [f"Quote clause {n} word for word." for n in CLAUSES_ASKED]
+    quotes = [("/v1/jobs", contract | {"prompt": q, "max_tokens": COPY_TOKENS}) for q in clauses]
+    questions = [{"id": str(i), "question": q} for i, q in enumerate(clauses)]
+    extraction = ("/v1/extractions", contract | {"questions": questions, "max_tokens": COPY_TOKENS})
+    topics = iter(TOPICS * 100)
+
+    def essays(_round: int) -> list[tuple[str, dict[str, Any]]]:
+        def essay(topic: str) -> dict[str, Any]:
+            content = f"Write a paragraph on the history of {topic}."
+            messages = [{"role": "user", "content": content}]
+            return {"messages": messages, "temperature": 0, "max_tokens": FREE_TOKENS}
+
+        # The same topics for every mode of a round, new ones each round.
+        return [("/v1/jobs", essay(next(topics))) for _ in range(CONCURRENT)]
+
+    return {
+        "clause quotes": lambda _round: quotes,
+        "clause quotes, one extraction job": lambda _round: [extraction],
+        "free text": essays,
     }
 
 
-def measure(stack: Stack, rounds: int) -> dict[str, dict[str, Tally]]:
-    """Every workload's tallies per mode, from the worker `stack` runs."""
-    workloads = _workloads()
-    tallies = {name: {mode: Tally() for mode in MODES} for name in workloads}
+Results = dict[tuple[str, int, str], list[Timed]]  # (workload, streams, mode) -> per round
+
+
+def measure(stack: Stack, rounds: int) -> Results:
+    results: Results = {}
     with httpx.Client(base_url=stack.url, timeout=900) as client:
-        for name, jobs in workloads.items():
-            jobs[0](client, "off")  # the document's prefill, cached for everyone after
-            for _ in range(rounds):
-                for job in jobs:
-                    for mode in MODES:
-                        tallies[name][mode].add(*job(client, mode))
-    return tallies
+        for name, jobs_of in _workloads().items():
+            _run_group(client, jobs_of(-1)[:1], "off")  # the document's prefill, then cached
+            for k in range(rounds):
+                jobs = jobs_of(k)
+                order = MODES[k % 3 :] + MODES[: k % 3]
+                for streams in (1, CONCURRENT):
+                    for mode in order:
+                        if streams == 1:
+                            parts = [_run_group(client, [job], mode) for job in jobs]
+                            timed = _merge(parts)
+                        elif len(jobs) == 1:
+                            continue  # an extraction job decodes its questions together anyway
+                        else:
+                            timed = _run_group(client, jobs[:CONCURRENT], mode)
+                        results.setdefault((name, streams, mode), []).append(timed)
+    return results
 
 
-Run = dict[str, dict[str, Tally]]  # workload -> mode -> tally
+def _merge(parts: list[Timed]) -> Timed:
+    merged = Timed()
+    for part in parts:
+        merged.tokens += part.tokens
+        merged.seconds += part.seconds
+        merged.drafted += part.drafted
+        merged.accepted += part.accepted
+        merged.texts += part.texts
+    return merged
 
 
-def section(settings: Settings, runs: dict[str, Run], rounds: int) -> str:
-    """The table for both variants (`VARIANTS`, each measured by `measure` on its own worker)."""
-    rows = [
-        _row(name, variant, modes) for variant, run in runs.items() for name, modes in run.items()
-    ]
-    verdicts = "; ".join(_verdict(variant, run) for variant, run in runs.items())
-    differences = "\n".join(
-        line for variant, run in runs.items() for line in _differences(variant, run)
-    )
+def section(threads: int, results: dict[str, Results], rounds: int) -> str:
+    rows, missed = [], []
+    for model, by_key in results.items():
+        keys = sorted({(name, streams) for name, streams, _ in by_key}, key=lambda k: (k[1], k[0]))
+        for name, streams in keys:
+            row, met = _row(model, name, streams, {m: by_key[(name, streams, m)] for m in MODES})
+            rows.append(row)
+            if not met:
+                missed.append(f"{model}, {name}, {streams} stream(s)")
+    summary = "every target met" if not missed else "missed: " + "; ".join(missed)
     return f"""## Speculative decoding: off, on, auto
 
-{settings.model}, {settings.threads} threads, greedy, one worker; the three modes interleaved
-job by job, {rounds} round(s) of every question, the whole run made once with exact greedy
-speculation (the default, `worker.speculation_exact`: a batched row whose top two logits
-nearly tie is decided again one token at a time) and once without those replays. Drafts come
-from n-grams of the prompt (the document), of the job's own output and of the worker's archive
-of past outputs; `auto` is the controller deciding by measured speed. Answer tokens per second
-of decoding (see `bench/speculation.py` for how each is timed); "same text" compares with
-`off`. Targets: auto ≥ 1.5× off on copy-heavy extraction, ≥ 0.97× on free text. Result:
-{verdicts}.
+{__doc__.split(chr(10) + chr(10), 1)[1].replace(chr(10), " ").strip()} {threads} threads,
+{rounds} rounds. Ratios: the mode's decode tokens per second over `off`'s in the same round
+(median and range). Acceptance: drafted tokens written, with `on`. Result: {summary}.
 
-| workload | variant | off tok/s | on tok/s | auto tok/s | acceptance (on) | same text as off (on / auto) |
-|---|---|---|---|---|---|---|
+| model | workload | streams | off tok/s (median) | on vs off | auto vs off | acceptance (on) \
+| same text as off | auto target (issue 33) |
+|---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
-
-Texts that differ from `off` (where they part): {differences or "none"}
 """
 
 
-# The issue's targets: auto against off, on copy-heavy answers and on free text.
-TARGETS = (
-    (CLAUSE_JOBS, "clause-quote jobs", 1.5),
-    (CLAUSE_EXTRACTION, "the clause-quote extraction", 1.5),
-    (FREE, "free text (new prompts)", 0.97),
-)
-
-
-def _verdict(variant: str, run: Run) -> str:
-    parts = []
-    for name, label, target in TARGETS:
-        ratio = run[name]["auto"].rate / run[name]["off"].rate
-        met = "met" if ratio >= target else "MISSED"
-        parts.append(f"**{ratio:.2f}×** on {label} (target ≥ {target}×: {met})")
-    return f"{variant}: auto is " + ", ".join(parts)
-
-
-def _differences(variant: str, tallies: Run) -> list[str]:
-    found = []
-    for name, modes in tallies.items():
-        if name == FREE:
-            continue  # every job had its own prompt
-        for mode in ("on", "auto"):
-            for i, (a, b) in enumerate(zip(modes["off"].texts, modes[mode].texts, strict=True)):
-                if a != b:
-                    at = _common_prefix(a, b)
-                    found.append(
-                        f"\n- {name}, {variant}, {mode}, job {i}: off {a[at - 20 : at + 30]!r}, "
-                        f"{mode} {b[at - 20 : at + 30]!r}"
-                    )
-    return found
-
-
-def _common_prefix(a: str, b: str) -> int:
-    return next(
-        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+def _row(model: str, name: str, streams: int, modes: dict[str, list[Timed]]) -> tuple[str, bool]:
+    """A table row, and whether auto met its target (True where it has none)."""
+    off = modes["off"]
+    ratios = {
+        m: [t.rate / o.rate for t, o in zip(modes[m], off, strict=True)] for m in ("on", "auto")
+    }
+    drafted = sum(t.drafted for t in modes["on"])
+    acceptance = f"{sum(t.accepted for t in modes['on']) / drafted:.0%}" if drafted else "–"
+    same = all(
+        t.texts == o.texts for m in ("on", "auto") for t, o in zip(modes[m], off, strict=True)
     )
-
-
-def _row(name: str, variant: str, modes: dict[str, Tally]) -> str:
-    off, on, auto = (modes[m] for m in MODES)
-    acceptance = f"{on.accepted / on.drafted:.0%}" if on.drafted else "—"
-
-    def same(tally: Tally) -> str:
-        if name == FREE:
-            return "— (other prompts)"
-        equal = sum(a == b for a, b in zip(tally.texts, off.texts, strict=True))
-        return f"{equal}/{len(off.texts)}"
-
-    return (
-        f"| {name} | {variant} | {off.rate:.1f} | {on.rate:.1f} ({on.rate / off.rate:.2f}×) | "
-        f"{auto.rate:.1f} ({auto.rate / off.rate:.2f}×) | {acceptance} | "
-        f"{same(on)} / {same(auto)} |"
+    target = TARGETS.get((name, streams))
+    met = target is None or statistics.median(ratios["auto"]) >= target
+    verdict = "–" if target is None else f"≥ {target}×: {'met' if met else 'MISSED'}"
+    row = (
+        f"| {model} | {name} | {streams} | {statistics.median(t.rate for t in off):.1f} | "
+        f"{ratio_summary(ratios['on'])} | {ratio_summary(ratios['auto'])} | {acceptance} | "
+        f"{'yes' if same else '**NO**'} | {verdict} |"
     )
+    return row, met
 
 
 # A contract whose clauses the clause-quote workloads ask for, word for word.

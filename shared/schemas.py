@@ -134,9 +134,8 @@ class JobRequest(SamplingParams, DocumentFields):
     prompt: Text | None = None
     messages: list[Message] | None = Field(None, min_length=1)
     special_tokens: bool = Field(False, description=SPECIAL_TOKENS)
-    # Speculative decoding: accepted and validated, not applied yet (issue 33, item 2: drafts
-    # verified inside the Conclave's shared steps). None: the server's default
-    # (`jobs.speculation`).
+    # Speculative decoding: drafts verified inside the worker's decode passes, output as
+    # without (worker/conclave/drafts.py). None: the server's default (`jobs.speculation`).
     speculation: Speculation | None = None
     cache: bool = Field(True, description=CACHE)
 
@@ -175,7 +174,7 @@ class ExtractionRequest(SamplingParams, DocumentFields):
     """
 
     temperature: float = Field(0.0, ge=0.0, le=2.0)
-    # As on jobs: accepted, not applied yet.
+    # As on jobs.
     speculation: Speculation | None = None
     cache: bool = Field(True, description=CACHE)
     questions: list[ExtractionQuestion] | None = Field(None, min_length=1, max_length=MAX_QUESTIONS)

@@ -86,8 +86,8 @@ class RoutingSettings(BaseModel):
 class JobSettings(BaseModel):
     default_max_tokens: int = Field(256, gt=0)
     result_ttl_s: int = Field(86_400, gt=0)
-    # For requests that do not say. Accepted, not applied: no engine drafts today (issue 33,
-    # item 2: drafting inside the Conclave's shared steps).
+    # For requests that do not say (worker/conclave/drafts.py). Off until `auto` never costs
+    # more than 3% on any bench workload (docs/BENCHMARKS.md, "Speculative decoding").
     speculation: Literal["auto", "on", "off"] = "off"
 
 

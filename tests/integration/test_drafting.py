@@ -25,7 +25,7 @@ LEDGER = "\n".join(
 )
 COPY = f"{LEDGER}\n\nCopy the lines for crates 5 to 9 exactly, one per line."
 FREE = "Write a short story about a lighthouse keeper who finds a cat."
-TOKENS = 48
+TOKENS = 32
 GREEDY = Sampling()
 # Memory is reused within a namespace only: each stream gets its own, so every run is cold.
 _namespaces = (f"ns-{n}" for n in itertools.count())

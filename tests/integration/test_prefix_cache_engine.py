@@ -167,7 +167,6 @@ INSTRUCTIONS = "Answer from the document only, briefly."
 QUESTIONS = ["Which crates belong to shop 3?", "How many pears are in crate 5?"]
 SAMPLED = {"temperature": 0.9, "top_p": 0.9, "seed": 7}
 # The reference system's bug: its speculative path returned before consulting the prefix cache.
-# (Accepted, not applied today: issue 33.)
 SPECULATIVE = {"speculation": "on"}
 
 

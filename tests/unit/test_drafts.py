@@ -88,11 +88,11 @@ def test_a_stream_learns_from_plain_passes_and_from_its_drafts() -> None:
     drafts = StreamDrafts("auto", [1, 2, *QUOTE, 3, 11, 12], worker)
     offer = drafts.offer(0, 4)
     assert offer is not None and offer.available == 4 and offer.acceptance == 0.3
-    drafts.taken([], 0, 13)  # a plain pass wrote the guessed token
+    drafts.scored([], 0, 13)  # a plain pass wrote the guessed token
     assert drafts.acceptance.rate > 0.3 and worker.rate > 0.3
     before = drafts.acceptance.rate
     drafts.offer(0, 4)
-    drafts.taken(drafts.take(3), 1, 77)  # one accepted, the second rejected
-    assert (drafts.drafted, drafts.accepted) == (3, 1)
+    drafts.scored(drafts.take(3), 1, 77)  # one accepted, the second rejected
+    assert drafts.drafted == 3
     assert drafts.acceptance.rate < before + 0.1  # one hit, one miss
     assert StreamDrafts("on", [1, 2, 3], worker).acceptance.rate == worker.rate

@@ -149,14 +149,15 @@ class StreamDrafts:
         return Offer(key, self.mode, self.acceptance.rate, len(self._proposal))
 
     def take(self, k: int) -> list[int]:
-        """The first `k` tokens of the last offer, as draft rows."""
-        return self._proposal[:k]
-
-    def taken(self, draft: Sequence[int], accepted: int, written: int) -> None:
-        """After the pass: `accepted` of `draft` were written; `written` is the token sampled
-        after them. A pass without drafts scores the offer's first guess against it."""
+        """The first `k` tokens of the last offer, as this pass's draft rows."""
+        draft = self._proposal[:k]
         self.drafted += len(draft)
-        self.accepted += accepted
+        return draft
+
+    def scored(self, draft: Sequence[int], accepted: int, written: int) -> None:
+        """After the pass: the first `accepted` of `draft` were written (`accepted` counts
+        them as they are); `written` is the token sampled after them. A pass without drafts
+        scores the offer's first guess against it."""
         for i in range(min(accepted + 1, len(draft))):
             self._observe(i < accepted)
         if not draft and self._proposal:

@@ -612,14 +612,17 @@ class Conclave:
         """Sample row after row while the stream's sampler writes what its draft guessed: each
         such row's cell is the one plain decoding writes there (row-invariant kernels). The
         cells past the last row taken are dropped."""
-        assert stream.drafts is not None
+        drafts = stream.drafts
+        assert drafts is not None
         written = stream.pos
         for i in range(len(draft) + 1):
+            if i:  # the token sampled from the row before is the one this row was given
+                drafts.accepted += 1  # before the take, which may end the stream
             stream.exact_until = stream.pos + 1
             going = self._take(stream, self._logits(row + i))
             if not going or i == len(draft) or stream.next_token != draft[i]:
                 break
-        stream.drafts.taken(draft, stream.pos - written - 1, stream.next_token)
+        drafts.scored(draft, stream.pos - written - 1, stream.next_token)
         if draft:
             llama_cpp.llama_memory_seq_rm(self._mem, stream.seq, stream.pos, -1)
 
