@@ -27,7 +27,7 @@ run: $(STAMP)
 	$(BIN)/granary up
 
 test: $(STAMP) tools
-	$(BIN)/python -m pytest -q -ra --durations=15
+	$(BIN)/python -m pytest -q -ra --durations=40
 
 bench: $(STAMP) wheel-stock wheel-invariant peer-server
 	$(BIN)/python -m bench.run --stock-site $(STOCK_SITE) --invariant-site $(INVARIANT_SITE) \
