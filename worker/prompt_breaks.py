@@ -7,12 +7,12 @@ most tools send: the document inside a chat message or a plain prompt) share onl
 256-token blocks before the document's end, and the rest of the document is prefilled again.
 So a prompt without a declared document prefix also ends chunks where prompts part:
 
-- at the start of each message's content: the messages before it, the system prompt above
-  all, are shared whole;
+- before each message's content (see below): the messages before it, the system prompt
+  above all, are shared whole;
 - at the start of each stretch's last paragraph (after a blank line): where a question
   follows the document it asks about;
-- at the start of the next message's content, after a message followed by at least
-  `MIN_TAIL` more tokens: where a document sent as a message of its own (a system message,
+- before the next message's content, after a message followed by at least `MIN_TAIL`
+  more tokens: where a document sent as a message of its own (a system message,
   as OpenAI clients send it) is followed by a short question in the next one, the next
   question reads little more than its own words. Without it the next question shared the
   document only up to its last block boundary and read the rest again; with the break at the

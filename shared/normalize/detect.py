@@ -94,6 +94,8 @@ def _table_problem(text: str, kind: str) -> str | None:
         rows = delimited_rows(text, sep)
     except csv.Error as exc:
         return f"it is not valid {kind.upper()}: {exc}"
+    if len(rows) < 2:  # rows of empty cells are left out (",\r,": two lines, no row)
+        return "it is not a table: fewer than two rows hold a value"
     width = len(rows[0])
     for n, row in enumerate(rows[1:], start=2):
         if len(row) != width:

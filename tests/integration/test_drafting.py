@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -21,13 +22,14 @@ from worker.sampling import Sampling
 
 LEDGER = "\n".join(
     f"Crate {n}: {n * 7 % 40 + 10} pears from farm {n * 3 % 11}, shipped on day {n % 9 + 1}."
-    for n in range(1, 25)
+    for n in range(1, 13)
 )
 COPY = f"{LEDGER}\n\nCopy the lines for crates 5 to 9 exactly, one per line."
 FREE = "Write a short story about a lighthouse keeper who finds a cat."
 TOKENS = 32
 GREEDY = Sampling()
-# Memory is reused within a namespace only: each stream gets its own, so every run is cold.
+# Memory is reused within a namespace only: each run gets its own, so every run is cold (its
+# streams that share the ledger read it once).
 _namespaces = (f"ns-{n}" for n in itertools.count())
 
 
@@ -53,16 +55,17 @@ def stream(
     llama = engine.llama
     messages = [{"role": "user", "content": text}]
     tokens = tokenize(llama, render_prompt(llama, JobRequest(messages=messages)))
-    return StreamRequest(
-        tokens, (), next(_namespaces), 0, TOKENS, sampling=sampling, speculation=mode
-    )
+    return StreamRequest(tokens, (), None, 0, TOKENS, sampling=sampling, speculation=mode)
 
 
 def decode(
     engine: ConclaveEngine, requests: list[StreamRequest]
 ) -> tuple[list[list[int]], list[Ended]]:
-    """Submit all at once: each stream's tokens and its end, in the requests' order."""
+    """Submit all at once, in a namespace of their own: each stream's tokens and its end, in
+    the requests' order."""
     conclave = engine.conclave
+    namespace = next(_namespaces)
+    requests = [replace(request, namespace=namespace) for request in requests]
     outputs: list[list[int]] = [[] for _ in requests]
     handles = []
     for request, tokens in zip(requests, outputs, strict=True):

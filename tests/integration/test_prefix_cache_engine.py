@@ -196,8 +196,8 @@ def warm(
 
 @pytest.mark.parametrize(
     "sampling",
-    [{}, SAMPLED, SPECULATIVE, SPECULATIVE | SAMPLED],
-    ids=["greedy", "sampled", "speculative", "speculative-sampled"],
+    [{}, SAMPLED, SPECULATIVE],
+    ids=["greedy", "sampled", "speculative"],
 )
 def test_warmed_document_restores_in_full_and_answers_as_cold(
     models: Models, sampling: dict[str, object]

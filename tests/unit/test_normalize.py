@@ -253,6 +253,7 @@ def test_exclusion_words_are_negations() -> None:
         ("One sentence. Another one.\nA third line here.", "csv", "document_type"),
         ("a,b,c\n1,2\n", "csv", "document_type"),
         ('a,"b\n1,2,3\n', "csv", "document_type"),
+        (",\r,", "csv", "document_type"),  # two lines, each only empty cells
         ("<script>var x = 1;</script><style>p {}</style>", None, "document"),
     ],
 )
