@@ -32,9 +32,13 @@ token: where a prompt asking that role to answer stops its prefill, so that a co
 next turn restores the previous turn's prompt whole (`_content_start`).
 
 Only stretches of at least `MIN_STRETCH` tokens count (a role name or a short reply is not
-worth a chunk of its own), and a point closer than `MIN_STRETCH` to the prompt's start or to
-the stretch's start is no break. Each break costs one more pass of prefill (a shorter chunk);
-there are at most three per long stretch. The points depend on the prompt's tokens alone,
+worth a chunk of its own), and a point closer than `MIN_STRETCH` to the stretch's start, or
+than `MIN_SHARED_START` to the prompt's start, is no break. The latter is shorter: the system
+prompt a chat template puts first when a chat has none of its own (Qwen2.5's and SmolLM2's,
+~23 tokens with the user's role line) is the same in every chat, and llama-server's prompt
+cache reuses it; without a break there each chat read it again (~0.1 s a chat on Qwen here).
+Each break costs one more pass of prefill (a shorter chunk); there are at most three per long
+stretch. The points depend on the prompt's tokens alone,
 never on what is cached, so greedy output is the same with the cache as without it.
 
 A prompt with a declared shared prefix (a document) has that prefix's end as its one break
@@ -49,8 +53,10 @@ from collections.abc import Callable, Sequence
 import llama_cpp
 from llama_cpp import Llama
 
-# Stretches (and distances) shorter than this get no break.
+# Stretches (and distances within one) shorter than this get no break.
 MIN_STRETCH = 32
+# No break closer to the prompt's start than this: a shorter shared start is not worth a pass.
+MIN_SHARED_START = 16
 # A stretch's end is a break when at least this many tokens follow it: more than the turn
 # markers a chat template puts after the last message (5 on Qwen, SmolLM2 and Gemma-3), as
 # many as the shortest question with its own markers.
@@ -118,7 +124,7 @@ def content_breaks(llama: Llama, tokens: Sequence[int]) -> tuple[int, ...]:
         newlines = trailing
     _close_stretch(breaks, start, last_paragraph, len(tokens), content_start)
     breaks.update(_earlier_turn_ends(llama, pieces, tokens))
-    return tuple(sorted(b for b in breaks if b >= MIN_STRETCH))
+    return tuple(sorted(b for b in breaks if b >= MIN_SHARED_START))
 
 
 def _close_stretch(
