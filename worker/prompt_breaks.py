@@ -17,7 +17,7 @@ So a prompt without a declared document prefix also ends chunks where prompts pa
   question reads little more than its own words. Without it the next question shared the
   document only up to its last block boundary and read the rest again; with the break at the
   document's end it read the turn markers and role line again (5 tokens on Qwen where 1 is
-  read now: ~15 ms a token here). The last message is followed
+  read now). The last message is followed
   only by the template's turn markers, fewer than `MIN_TAIL`: no chunk would be worth its
   pass there;
 - before the last token of each earlier line opening a message of the role the prompt asks
@@ -36,7 +36,7 @@ worth a chunk of its own), and a point closer than `MIN_STRETCH` to the stretch'
 than `MIN_SHARED_START` to the prompt's start, is no break. The latter is shorter: the system
 prompt a chat template puts first when a chat has none of its own (Qwen2.5's and SmolLM2's,
 ~23 tokens with the user's role line) is the same in every chat, and llama-server's prompt
-cache reuses it; without a break there each chat read it again (~0.1 s a chat on Qwen here).
+cache reuses it; without a break there each chat read it again.
 Each break costs one more pass of prefill (a shorter chunk); there are at most three per long
 stretch. The points depend on the prompt's tokens alone,
 never on what is cached, so greedy output is the same with the cache as without it.

@@ -9,7 +9,7 @@ decoding writes there, and greedy output with drafts equals output without.
 
 How many drafts a pass carries is decided for the whole pass (`plan_drafts`): a draft row is
 worth its cost only if the pass's tokens per second rise, and the cost of a pass grows with its
-rows (measured here, `PassCost`; on 2 cores a 4-row pass costs ~3x one row on Qwen2.5). So under
+rows (measured here, `PassCost`; docs/BENCHMARKS.md, batch rows). So under
 load, where the pass is already wide, drafting turns itself down, and it comes back when the
 pass narrows. A stream's chance of accepting its next draft (`Acceptance`) is learned on every
 step, drafting or not: on a plain step the lookup's guess is scored against the token written.
@@ -32,8 +32,8 @@ MIN_N, MAX_N = 2, 4
 # Weight of the newest observation in the moving averages.
 SMOOTHING = 0.1
 # What a pass of r rows costs before one was measured: one row's cost and this share of it for
-# each added row, a little below what batch rows measured (Qwen2.5 on 2 cores: 4 rows 3.24x
-# one row, docs/BENCHMARKS.md), so that a worker tries such a pass and measures it.
+# each added row, a little below what batch rows measure on Qwen2.5 (docs/BENCHMARKS.md), so
+# that a worker tries such a pass and measures it.
 PRIOR_ROW_SHARE = 0.65
 # A stream's acceptance before anything was observed: unknown text is free text.
 PRIOR_ACCEPTANCE = 0.3
