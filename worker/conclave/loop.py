@@ -3,9 +3,10 @@
 Each turn of the loop (1) ends cancelled streams, (2) gives waiting streams a sequence when
 their cells fit, reusing the longest prefix memory or the disk cache holds, (3) prefills one
 canonical chunk of one stream, and (4) decodes one token for every decoding stream in a single
-llama_decode. So a long document is read one chunk at a time while the others keep decoding,
-and a short prompt's prefill goes before a long one's (shortest remaining first, within the
-priority class; a stream passed over STARVE_AFTER times goes next).
+llama_decode (or several, where the streams outnumber the rows a pass may have and stay exact).
+So a long document is read one chunk at a time while the others keep decoding, and a short
+prompt's prefill goes before a long one's. Which stream prefills and which share a pass is
+decided apart from these passes, by plan.py.
 
 Exactness: a prefill chunk is always decoded alone, in the shape a lone run uses. With the
 kernels `make install` builds, a decode row computed beside others gets the logits it gets
@@ -39,9 +40,10 @@ from shared.errors import ContextOverflow
 from shared.prefix_cache import CacheHit, PrefixCache, common_prefix_len, restorable_tokens
 from worker import kv_state
 from worker.chunk_ends import chunk_end, chunk_ends, snapshot_points
-from worker.conclave.drafts import Acceptance, PassCost, StreamDrafts, plan_drafts
+from worker.conclave.drafts import Acceptance, PassCost, StreamDrafts
 from worker.conclave.memory import Memory, Resident
 from worker.conclave.near_tie import TIE_MARGIN, is_near_tie
+from worker.conclave.plan import Decoding, Prefilling, plan_decode, plan_prefill
 from worker.conclave.streams import (
     Ended,
     EndReason,
@@ -61,8 +63,6 @@ log = logging.getLogger(__name__)
 
 Logits = npt.NDArray[np.float32]
 CacheFor = Callable[[str | None], PrefixCache | None]
-# A stream passed over this many times for a shorter one prefills next, however long it is.
-STARVE_AFTER = 4
 
 
 class _State(Enum):
@@ -87,7 +87,7 @@ class _Stream:
     # Exact batching: decoded alone from its first near tie on (see the module's doc).
     alone: bool = False
     drifted: bool = False  # see Ended.drifted
-    passed_over: int = 0
+    passed_over: int = 0  # see plan.Prefilling
     rng: np.random.Generator | None = None
     # Waiting: the stream still prefilling a prefix of this one's prompt, and the cells of it
     # this one may reuse once that prefill reaches them (see `Conclave._leader`).
@@ -106,13 +106,6 @@ class _Stream:
     def seq(self) -> int:
         assert self.resident is not None
         return self.resident.seq
-
-    def prefill_key(self) -> tuple[int, int, int]:
-        remaining = self.request.prefill_end - self.pos
-        priority = self.request.priority
-        if self.led_priority is not None:
-            priority = min(priority, self.led_priority)
-        return (priority, remaining, self.arrival)
 
 
 class Conclave:
@@ -427,14 +420,14 @@ class Conclave:
         )
 
     def _prefill_one(self) -> bool:
-        """Decode one canonical chunk of the stream whose turn it is."""
-        prefilling = [s for s in self._streams if s.state is _State.PREFILLING]
-        if not prefilling:
+        """Decode one canonical chunk of the stream whose turn it is (`plan_prefill`)."""
+        prefilling = {s.arrival: s for s in self._streams if s.state is _State.PREFILLING}
+        plan = plan_prefill([_prefilling(s) for s in prefilling.values()])
+        if plan is None:
             return False
-        starved = [s for s in prefilling if s.passed_over >= STARVE_AFTER]
-        chosen = min(starved or prefilling, key=_Stream.prefill_key)
-        for stream in prefilling:
-            stream.passed_over = 0 if stream is chosen else stream.passed_over + 1
+        for key, count in plan.passed_over.items():
+            prefilling[key].passed_over = count
+        chosen = prefilling[plan.key]
         try:
             self._prefill_chunk(chosen)
         except Exception as exc:
@@ -503,53 +496,43 @@ class Conclave:
             stream.drafts = StreamDrafts(request.speculation, prompt, self._acceptance)
 
     def _step(self) -> bool:
-        """One token for every decoding stream: one llama_decode for the batch, one for each
-        stream decoded alone."""
+        """One token for every decoding stream: the batched passes `plan_decode` makes, then
+        one pass for each stream decoded alone."""
         decoding = [s for s in self._streams if s.state is _State.DECODING]
         if not decoding:
             return False
-        alone = [s for s in decoding if s.alone]
-        batch = [s for s in decoding if not s.alone]
-        drafts = self._plan_drafts(batch)
-        # A drafting stream takes the batched path alone too, where its guesses are scored
-        # and its passes timed (on row-invariant kernels a pass of one row is a lone step).
-        if len(batch) == 1 and batch[0].drafts is None:
-            alone, batch = [*alone, *batch], []
-        if batch:
+        # One run of increasing sequence ids, or llama.cpp makes a pass per run (memory.py);
+        # before the plan, which cuts the run into passes by sequence.
+        self._memory.compact({s.seq for s in decoding if not s.alone})
+        streams = {s.arrival: s for s in decoding}
+        max_rows = self._max_rows if self.rows_invariant else None
+        views = [self._decoding(s) for s in decoding]
+        plan = plan_decode(views, self._pass_cost.estimate, max_rows)
+        for planned in plan.passes:
+            batch = [streams[key] for key in planned.keys]
+            drafts = {
+                stream: stream.drafts.take(planned.drafts[stream.arrival])  # type: ignore[union-attr]
+                for stream in batch
+                if planned.drafts.get(stream.arrival)
+            }
             self._batched_step(batch, drafts)
-        for stream in alone:
-            self._lone_step(stream)
+        for key in plan.alone:
+            self._lone_step(streams[key])
         return True
 
-    def _plan_drafts(self, batch: list[_Stream]) -> dict[_Stream, list[int]]:
-        """The draft rows each stream adds to this pass (`drafts.plan_drafts`); only on
-        row-invariant kernels, where a pass computes every row as a lone decode would."""
-        offers = {}
-        for key, stream in enumerate(batch):
-            if stream.drafts is None:
-                continue
+    def _decoding(self, stream: _Stream) -> Decoding:
+        """The stream as `plan_decode` sees it, with the drafts it could add now."""
+        offer = None
+        if stream.drafts is not None and not stream.alone:
             # Drafts past the tokens it may still write, or past its sequence's cells, are waste.
             room = min(
                 stream.request.max_new - stream.generated - 1,
                 self.cells_per_seq - stream.pos - 1,
             )
-            offer = stream.drafts.offer(key, room)
-            if offer is not None:
-                offers[key] = offer
-        if not offers:
-            return {}
-        estimate = self._pass_cost.estimate
-        planned = plan_drafts(len(batch), list(offers.values()), estimate, self._max_rows)
-        return {
-            batch[key]: batch[key].drafts.take(k)  # type: ignore[union-attr]
-            for key, k in planned.items()
-            if k > 0
-        }
+            offer = stream.drafts.offer(stream.arrival, room)
+        return Decoding(stream.arrival, stream.seq, stream.alone, stream.drafts is not None, offer)
 
     def _batched_step(self, batch: list[_Stream], drafts: dict[_Stream, list[int]]) -> None:
-        # One run of increasing sequence ids, or llama.cpp makes a pass per run (memory.py).
-        self._memory.compact({s.seq for s in batch})
-        batch.sort(key=lambda s: s.seq)
         rows: list[tuple[int, int, int]] = []
         firsts: list[int] = []
         for s in batch:
@@ -714,3 +697,12 @@ class Conclave:
     def _logits(self, row: int) -> Logits:
         pointer = llama_cpp.llama_get_logits_ith(self.llama.ctx, row)
         return np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
+
+
+def _prefilling(stream: _Stream) -> Prefilling:
+    """The stream as `plan_prefill` sees it: its followers' priority lifts its own."""
+    priority = stream.request.priority
+    if stream.led_priority is not None:
+        priority = min(priority, stream.led_priority)
+    remaining = stream.request.prefill_end - stream.pos
+    return Prefilling(stream.arrival, priority, remaining, stream.passed_over)

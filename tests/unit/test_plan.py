@@ -1,0 +1,129 @@
+"""The Conclave's turn policy (worker/conclave/plan.py), without a model."""
+
+from __future__ import annotations
+
+import itertools
+
+from worker.conclave.drafts import Offer
+from worker.conclave.plan import (
+    STARVE_AFTER,
+    Decoding,
+    Pass,
+    Prefilling,
+    plan_decode,
+    plan_prefill,
+)
+
+
+def run_prefills(arrivals: dict[int, tuple[int, int, int]], chunk: int) -> list[int]:
+    """Whose chunk each turn reads, for streams {key: (arrival turn, priority, prompt tokens)}
+    read `chunk` tokens at a time, as the loop applies the plan."""
+    remaining: dict[int, int] = {}
+    passed: dict[int, int] = {}
+    order: list[int] = []
+    for turn in range(1000):
+        for key, (at, _priority, tokens) in arrivals.items():
+            if at == turn:
+                remaining[key], passed[key] = tokens, 0
+        views = [
+            Prefilling(key, arrivals[key][1], left, passed[key])
+            for key, left in remaining.items()
+            if left > 0
+        ]
+        plan = plan_prefill(views)
+        if plan is None:
+            return order
+        passed.update(plan.passed_over)
+        remaining[plan.key] -= chunk
+        order.append(plan.key)
+    raise AssertionError("the prefills never ended")
+
+
+def test_nothing_to_prefill_plans_nothing() -> None:
+    assert plan_prefill([]) is None
+
+
+def test_a_more_urgent_class_goes_first_then_the_shortest_then_the_earliest() -> None:
+    plan = plan_prefill(
+        [Prefilling(0, 1, 10, 0), Prefilling(1, 0, 900, 0), Prefilling(2, 0, 40, 0)]
+    )
+    assert plan is not None and plan.key == 2
+    assert plan_prefill([Prefilling(3, 0, 40, 0), Prefilling(2, 0, 40, 0)]).key == 2  # type: ignore[union-attr]
+
+
+def test_a_long_prompt_is_read_while_short_ones_keep_arriving() -> None:
+    # A 2,048-token document (8 chunks), and a short chat arriving every turn: more than one
+    # chunk a turn can read, so a backlog of starved chats grows. Shortest first alone (or the
+    # shortest starved first) would read the document after the last chat; it reads a chunk
+    # every STARVE_AFTER + 1 turns until the backlog's older chats share its turns.
+    arrivals = {0: (0, 0, 2048)} | {key: (key, 0, 16) for key in range(1, 60)}
+    order = run_prefills(arrivals, chunk=256)
+    turns_of_document = [turn for turn, key in enumerate(order) if key == 0]
+    gaps = [b - a for a, b in itertools.pairwise(turns_of_document)]
+    assert len(turns_of_document) == 8
+    assert gaps[:4] == [STARVE_AFTER + 1] * 4
+    assert turns_of_document[-1] < 59  # read whole while chats still arrive
+
+
+def test_a_short_prompt_arriving_behind_a_long_one_goes_before_its_next_chunk() -> None:
+    order = run_prefills({0: (0, 0, 1024), 1: (1, 0, 30), 2: (2, 1, 30)}, chunk=256)
+    # The urgent class's short prompt is read next; the batch class's waits for the document.
+    assert order == [0, 1, 0, 0, 0, 2]
+
+
+def test_every_prefilling_stream_is_counted_passed_over_but_the_chosen() -> None:
+    plan = plan_prefill([Prefilling(0, 0, 10, 2), Prefilling(1, 0, 500, 3)])
+    assert plan is not None
+    assert plan.passed_over == {0: 0, 1: 4}
+
+
+def no_cost(_rows: int) -> float | None:
+    return None
+
+
+def test_streams_share_passes_in_sequence_order_within_the_row_budget() -> None:
+    decoding = [Decoding(key, seq=40 - key) for key in range(40)]
+    plan = plan_decode(decoding, no_cost, max_rows=31)
+    assert [len(p.keys) for p in plan.passes] == [31, 9]
+    seqs = [40 - key for p in plan.passes for key in p.keys]
+    assert seqs == sorted(seqs)
+    assert plan.alone == ()
+
+
+def test_without_row_invariant_kernels_one_pass_takes_every_stream() -> None:
+    plan = plan_decode([Decoding(key, seq=key) for key in range(40)], no_cost, max_rows=None)
+    assert [len(p.keys) for p in plan.passes] == [40]
+
+
+def test_a_lone_plain_stream_and_streams_past_a_near_tie_decode_alone() -> None:
+    assert plan_decode([Decoding(7, seq=0)], no_cost, 31).alone == (7,)
+    plan = plan_decode(
+        [Decoding(1, seq=0), Decoding(2, seq=1, alone=True), Decoding(3, seq=2)], no_cost, 31
+    )
+    assert plan.passes == (Pass((1, 3)),)
+    assert plan.alone == (2,)
+
+
+def linear(rows: int) -> float:
+    return 0.05 * rows  # no row cheaper than alone: a draft never pays for itself
+
+
+def cheap(rows: int) -> float:
+    return 0.05 + 0.005 * (rows - 1)
+
+
+def test_a_drafting_stream_takes_the_batched_path_alone_and_drafts_where_rows_are_cheap() -> None:
+    offer = Offer(5, "auto", 0.9, 4)
+    cheap_plan = plan_decode([Decoding(5, seq=0, drafting=True, offer=offer)], cheap, 31)
+    assert cheap_plan.passes == (Pass((5,), {5: 4}),)
+    dear_plan = plan_decode([Decoding(5, seq=0, drafting=True, offer=offer)], linear, 31)
+    assert dear_plan.passes == (Pass((5,)),)
+
+
+def test_drafts_never_take_a_pass_past_the_row_budget() -> None:
+    decoding = [
+        Decoding(key, seq=key, drafting=True, offer=Offer(key, "on", 0.9, 8)) for key in range(6)
+    ]
+    plan = plan_decode(decoding, cheap, max_rows=31)
+    (only,) = plan.passes
+    assert len(only.keys) + sum(only.drafts.values()) == 31
