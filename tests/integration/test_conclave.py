@@ -52,8 +52,8 @@ def test_greedy_qwen_chats_run_together_equal_their_lone_runs(
     stack_factory: Callable[..., Stack],
 ) -> None:
     stack = stack_factory(model="qwen2.5-0.5b", worker={"max_active_jobs": 8})
-    lone = [finish_all(stack, [submit(stack, chat(q))])[0] for q in CHATS]
-    together = finish_all(stack, [submit(stack, chat(q)) for q in CHATS])
+    lone = [finish_all(stack, [submit(stack, chat(q, 16))])[0] for q in CHATS]
+    together = finish_all(stack, [submit(stack, chat(q, 16)) for q in CHATS])
     assert all(v["status"] == "finished" for v in lone + together)
     assert overlapped(together)
     for alone, beside in zip(lone, together, strict=True):
@@ -85,7 +85,7 @@ def test_killed_worker_with_four_active_jobs_all_finish_elsewhere(
 ) -> None:
     stack = stack_factory()
     prompts = [f"Count: {n}, {n + 1}, {n + 2}," for n in (1, 10, 100, 1000)]
-    jobs = [submit(stack, {"prompt": p, "temperature": 0, "max_tokens": 200}) for p in prompts]
+    jobs = [submit(stack, {"prompt": p, "temperature": 0, "max_tokens": 80}) for p in prompts]
     for job in jobs:
         first_tokens(stack, job["id"], 5)
     # Killed before the second worker starts: while a model loads, the first worker could
@@ -96,7 +96,7 @@ def test_killed_worker_with_four_active_jobs_all_finish_elsewhere(
         final = wait_status(stack, job["id"], {"finished", "failed"}, timeout_s=120)
         assert final["status"] == "finished", final
         assert final["attempts"] == 2
-        assert final["usage"]["completion_tokens"] == 200
+        assert final["usage"]["completion_tokens"] == 80
         assert final["usage"]["resumed_tokens"] >= 5
         tokens = [d for e, _, d in events(stack, job["id"]) if e == "token"]
         assert [t["index"] for t in tokens] == list(range(len(tokens)))

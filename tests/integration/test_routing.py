@@ -107,7 +107,8 @@ def test_a_documents_next_questions_run_on_the_worker_holding_it(
 def test_with_its_holder_busy_a_question_runs_elsewhere_at_once(
     stack_factory: Callable[..., Stack],
 ) -> None:
-    stack = stack_factory(cache=NO_DISK, worker={"max_active_jobs": 2})
+    # One thread each: the holder decodes its two jobs while the second worker loads.
+    stack = stack_factory(cache=NO_DISK, worker={"max_active_jobs": 2}, n_threads=1)
     client = redis.Redis.from_url(stack.settings.redis_url)
     holder = worker_of(client, finished(stack, ask(stack, QUESTIONS[0]))["id"])
     # As long as the context allows: on a fast host 400 tokens were over before the second
