@@ -10,9 +10,59 @@ from worker.conclave.plan import (
     Decoding,
     Pass,
     Prefilling,
+    Waiting,
+    plan_admission,
     plan_decode,
     plan_prefill,
 )
+
+# Admission: eight questions about one 600-token document (streams 1-8, each may fork from
+# another's prefill at the document's end), and a chat sharing nothing (stream 9).
+DOCUMENT_END = 600
+
+
+def shared_document(follower: int, leader: int) -> int:
+    return DOCUMENT_END if follower <= 8 and leader <= 8 else 0
+
+
+def nothing_kept(_key: int) -> int:
+    return 0
+
+
+def test_questions_arriving_with_their_document_wait_for_one_of_them_to_read_it() -> None:
+    waiting = [Waiting(key, priority=0) for key in range(1, 10)]
+    plan = plan_admission(waiting, {}, room=12, reach=shared_document, kept=nothing_kept)
+    assert plan.start == (1, 9)  # the first question reads the document; the chat starts
+    assert plan.follows == {key: (1, DOCUMENT_END) for key in range(2, 9)}
+    assert plan.led_priority == {1: 0}
+
+
+def test_a_follower_keeps_its_leader_until_the_leader_reaches_the_fork_or_ends() -> None:
+    follower = Waiting(2, priority=0, leader=1, reach=DOCUMENT_END)
+    waiting_on = plan_admission([follower], {1: 256}, 4, shared_document, nothing_kept)
+    assert waiting_on.follows == {2: (1, DOCUMENT_END)} and waiting_on.start == ()
+    # Its leader read the document (it decodes now) or ended: it starts, forking from memory.
+    assert plan_admission([follower], {}, 4, shared_document, nothing_kept).start == (2,)
+
+
+def test_a_stream_memory_already_serves_does_not_wait() -> None:
+    plan = plan_admission(
+        [Waiting(2, 0)], {1: 100}, 4, shared_document, kept=lambda _key: DOCUMENT_END
+    )
+    assert plan.start == (2,)
+
+
+def test_a_leader_prefills_at_its_most_urgent_followers_priority() -> None:
+    waiting = [Waiting(2, priority=1), Waiting(3, priority=0)]
+    plan = plan_admission(waiting, {1: 0}, 4, shared_document, nothing_kept)
+    assert plan.follows == {3: (1, DOCUMENT_END), 2: (1, DOCUMENT_END)}
+    assert plan.led_priority == {1: 0}
+
+
+def test_admission_goes_by_priority_then_arrival_while_sequences_are_free() -> None:
+    waiting = [Waiting(key, priority=2 - key % 3) for key in range(10, 16)]
+    plan = plan_admission(waiting, {}, room=4, reach=lambda _f, _l: 0, kept=nothing_kept)
+    assert plan.start == (11, 14, 10, 13)
 
 
 def run_prefills(arrivals: dict[int, tuple[int, int, int]], chunk: int) -> list[int]:

@@ -43,7 +43,14 @@ from worker.chunk_ends import chunk_end, chunk_ends, snapshot_points
 from worker.conclave.drafts import Acceptance, PassCost, StreamDrafts
 from worker.conclave.memory import Memory, Resident
 from worker.conclave.near_tie import TIE_MARGIN, is_near_tie
-from worker.conclave.plan import Decoding, Prefilling, plan_decode, plan_prefill
+from worker.conclave.plan import (
+    Decoding,
+    Prefilling,
+    Waiting,
+    plan_admission,
+    plan_decode,
+    plan_prefill,
+)
 from worker.conclave.streams import (
     Ended,
     EndReason,
@@ -90,7 +97,7 @@ class _Stream:
     passed_over: int = 0  # see plan.Prefilling
     rng: np.random.Generator | None = None
     # Waiting: the stream still prefilling a prefix of this one's prompt, and the cells of it
-    # this one may reuse once that prefill reaches them (see `Conclave._leader`).
+    # this one may reuse once that prefill reaches them (see `plan.plan_admission`).
     leader: _Stream | None = None
     reach: int = 0
     # Prefilling: the most urgent priority of the streams waiting on this one's prefill.
@@ -293,46 +300,30 @@ class Conclave:
                 self._end(stream, "cancelled")
 
     def _start_waiting(self) -> None:
-        waiting = sorted(
-            (s for s in self._streams if s.state is _State.WAITING),
-            key=lambda s: (s.request.priority, s.arrival),
+        """Start the streams `plan_admission` admits; the others wait, some for a leader."""
+        streams = {s.arrival: s for s in self._streams}
+        waiting = [_waiting(s) for s in self._streams if s.state is _State.WAITING]
+        prefilling = {s.arrival: s.pos for s in self._streams if s.state is _State.PREFILLING}
+        plan = plan_admission(
+            waiting,
+            prefilling,
+            self._memory.room(),
+            reach=lambda follower, leader: self._reach(
+                streams[leader].request, streams[follower].request
+            ),
+            kept=lambda key: self._kept_now(streams[key].request),
         )
-        for stream in self._streams:  # set again below by the followers still waiting
-            stream.led_priority = None
-        for stream in waiting:
-            if not self._memory.has_room():
-                return
-            leader = self._leader(stream)
-            if leader is not None:
-                priority, led = stream.request.priority, leader.led_priority
-                leader.led_priority = priority if led is None else min(led, priority)
-                continue
+        for stream in self._streams:
+            stream.led_priority = plan.led_priority.get(stream.arrival)
+        for key, (leader, reach) in plan.follows.items():
+            streams[key].leader, streams[key].reach = streams[leader], reach
+        for key in plan.start:
+            stream = streams[key]
+            stream.leader = None
             try:
                 self._start(stream)
             except Exception as exc:
                 self._fail(stream, exc)
-
-    def _leader(self, stream: _Stream) -> _Stream | None:
-        """The stream still prefilling a prefix `stream` shares, when `stream` may reuse more
-        of it once that prefill gets there than memory holds now: then `stream` waits and
-        forks there (a memory copy) instead of reading the prefix a second time beside it.
-
-        The leader is the prefilling stream `stream` may reuse most of, kept while it
-        prefills and has not reached that point. One that ends (cancelled, failed) frees its
-        followers: the first to start takes over from the cells it left in memory, and the
-        others follow that one.
-        """
-        leader = stream.leader
-        if leader is not None and leader.state is _State.PREFILLING and leader.pos < stream.reach:
-            return leader
-        candidates = (s for s in self._streams if s.state is _State.PREFILLING)
-        reaches = [(self._reach(s.request, stream.request), s) for s in candidates]
-        reach, leader = max(reaches, key=lambda r: r[0], default=(0, None))
-        if leader is None or reach <= leader.pos or reach <= self._kept_now(stream.request):
-            stream.leader = None
-            return None
-        stream.leader, stream.reach = leader, reach
-        return leader
 
     def _kept_now(self, request: StreamRequest) -> int:
         reuse = self._memory.best_reuse(
@@ -706,3 +697,9 @@ def _prefilling(stream: _Stream) -> Prefilling:
         priority = min(priority, stream.led_priority)
     remaining = stream.request.prefill_end - stream.pos
     return Prefilling(stream.arrival, priority, remaining, stream.passed_over)
+
+
+def _waiting(stream: _Stream) -> Waiting:
+    """The stream as `plan_admission` sees it, with the leader it waited for last turn."""
+    leader = None if stream.leader is None else stream.leader.arrival
+    return Waiting(stream.arrival, stream.request.priority, leader, stream.reach)

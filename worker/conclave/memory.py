@@ -94,9 +94,9 @@ class Memory:
                     held.add(document)
         return frozenset(held)
 
-    def has_room(self) -> bool:
-        """Whether a stream can start now: a sequence is free or idle."""
-        return bool(self._free) or any(r.idle for r in self._residents.values())
+    def room(self) -> int:
+        """How many streams can start now: each takes a free sequence or an idle one."""
+        return len(self._free) + sum(1 for r in self._residents.values() if r.idle)
 
     def best_reuse(
         self, namespace: str | None, tokens: list[int], limit: int, breaks: tuple[int, ...]
@@ -127,7 +127,7 @@ class Memory:
     def claim(self, namespace: str | None, reuse: Reuse | None) -> Resident:
         """A sequence for a new stream: the reused one if idle, a copy of it, or an empty one.
 
-        The caller checked `has_room()`. The copy of a busy sequence is made by llama.cpp
+        The caller checked `room()`. The copy of a busy sequence is made by llama.cpp
         before the next decode; nothing may load a state into the new sequence before then.
         """
         if reuse is not None and reuse.source.idle:

@@ -1,11 +1,13 @@
 """The Conclave's decisions, apart from the passes that carry them out.
 
-Each turn the model thread (loop.py) admits waiting streams, then asks `plan_prefill` whose
-prompt chunk it reads and, once that chunk is read, `plan_decode` which decoding streams share
-which pass and with how many drafts. Both are pure functions of the streams' state as the
-loop sees it, so the policy is tested without a model (tests/unit/test_plan.py): priority
-classes, shortest remaining first, a bounded wait for a long prompt, the row budget, drafting
-turned down under load.
+Each turn the model thread (loop.py) asks `plan_admission` which waiting streams start and which
+wait for another's prefill, `plan_prefill` whose prompt chunk it reads and, once that chunk is
+read, `plan_decode` which decoding streams share which pass and with how many drafts. Each is a
+pure function of the streams' state as the loop sees it (what memory and prompts hold comes in
+as values or read-only functions), so the policy is tested without a model
+(tests/unit/test_plan.py): priority classes, a document read once for the questions that
+arrive with it, shortest remaining first, a bounded wait for a long prompt, the row budget,
+drafting turned down under load.
 
 Why the row budget: on the row-invariant kernels a pass computes each row as a lone decode
 does only below `granary_exact_rows` rows (worker/kernels.py); a wider pass takes the batched
@@ -15,7 +17,7 @@ extraction's many questions, `max_active_jobs` up to 48) are split into several 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from worker.conclave.drafts import Offer, plan_drafts
@@ -25,11 +27,88 @@ STARVE_AFTER = 4
 
 
 @dataclass(frozen=True, slots=True)
+class Waiting:
+    """A stream without a sequence yet."""
+
+    key: int  # in arrival order
+    priority: int
+    leader: int | None = None  # the prefilling stream it waited for last turn
+    reach: int = 0  # the cells of that leader's prefill it may fork from
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    start: tuple[int, ...]  # streams given a sequence this turn, in this order
+    follows: dict[int, tuple[int, int]]  # a waiting stream's leader and reach
+    led_priority: dict[int, int]  # a leader's most urgent follower's priority
+
+
+def plan_admission(
+    waiting: Sequence[Waiting],
+    prefilling: Mapping[int, int],
+    room: int,
+    reach: Callable[[int, int], int],
+    kept: Callable[[int], int],
+) -> Admission:
+    """Who starts, in priority then arrival order, while sequences are free or idle (`room`).
+
+    A stream whose prompt shares a prefix with one still prefilling it waits for that
+    *leader* instead of reading the prefix a second time beside it, while the leader has not
+    reached the cells the follower may fork from (`reach(follower, leader)`) and they are more
+    than memory would let it keep now (`kept`). It keeps its leader while that one prefills;
+    one that ended (cancelled, failed) frees its followers, and the first of them to start
+    leads the others. `prefilling`: each prefilling stream's prefilled cells; a stream started
+    here leads from the cells memory lets it keep.
+    """
+    positions = dict(prefilling)
+    start: list[int] = []
+    follows: dict[int, tuple[int, int]] = {}
+    led: dict[int, int] = {}
+    for stream in sorted(waiting, key=lambda w: (w.priority, w.key)):
+        if room <= 0:
+            break
+        followed = _leader(stream, positions, reach, kept)
+        if followed is None:
+            start.append(stream.key)
+            positions[stream.key] = kept(stream.key)
+            room -= 1
+            continue
+        follows[stream.key] = followed
+        leader = followed[0]
+        led[leader] = min(led.get(leader, stream.priority), stream.priority)
+    return Admission(tuple(start), follows, led)
+
+
+def _leader(
+    stream: Waiting,
+    positions: Mapping[int, int],
+    reach: Callable[[int, int], int],
+    kept: Callable[[int], int],
+) -> tuple[int, int] | None:
+    """The leader `stream` waits for and the cells it may fork from, if it should wait."""
+    kept_leader = stream.leader
+    if kept_leader is not None and positions.get(kept_leader, stream.reach) < stream.reach:
+        return kept_leader, stream.reach
+    if not positions:
+        return None
+    # The most it may fork from; of equals, the earliest leader.
+    best, leader = max(((reach(stream.key, key), key) for key in positions), key=_most_then_first)
+    if best <= positions[leader] or best <= kept(stream.key):
+        return None
+    return leader, best
+
+
+def _most_then_first(reach_and_key: tuple[int, int]) -> tuple[int, int]:
+    reach, key = reach_and_key
+    return reach, -key
+
+
+@dataclass(frozen=True, slots=True)
 class Prefilling:
     """A stream still reading its prompt."""
 
     key: int  # in arrival order
-    priority: int  # the most urgent of its own and its waiting followers' (loop.py `_leader`)
+    priority: int  # the most urgent of its own and its waiting followers' (`plan_admission`)
     remaining: int  # prompt tokens still to read
     passed_over: int  # turns another stream's chunk went first since its last one
 
