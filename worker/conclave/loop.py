@@ -5,8 +5,8 @@ their cells fit, reusing the longest prefix memory or the disk cache holds, (3) 
 canonical chunk of one stream, and (4) decodes one token for every decoding stream in a single
 llama_decode (or several, where the streams outnumber the rows a pass may have and stay exact).
 So a long document is read one chunk at a time while the others keep decoding, and a short
-prompt's prefill goes before a long one's. Which stream prefills and which share a pass is
-decided apart from these passes, by plan.py.
+prompt's prefill goes before a long one's. Which streams start, which one prefills and which
+share a pass is decided apart from these passes, by plan.py.
 
 Exactness: a prefill chunk is always decoded alone, in the shape a lone run uses. With the
 kernels `make install` builds, a decode row computed beside others gets the logits it gets
