@@ -500,13 +500,11 @@ class Conclave:
         views = [self._decoding(s) for s in decoding]
         plan = plan_decode(views, self._pass_cost.estimate, max_rows)
         for planned in plan.passes:
-            batch = [streams[key] for key in planned.keys]
             drafts = {
-                stream: stream.drafts.take(planned.drafts[stream.arrival])  # type: ignore[union-attr]
-                for stream in batch
-                if planned.drafts.get(stream.arrival)
+                streams[key]: streams[key].drafts.take(k)  # type: ignore[union-attr]
+                for key, k in planned.drafts.items()
             }
-            self._batched_step(batch, drafts)
+            self._batched_step([streams[key] for key in planned.keys], drafts)
         for key in plan.alone:
             self._lone_step(streams[key])
         return True
