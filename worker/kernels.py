@@ -58,6 +58,17 @@ def exact_row_limit() -> int:
     return 1 if threshold is None else threshold.value - 1
 
 
+def build_stamp() -> str:
+    """Which llama.cpp build this process loaded: every library of the wheel by name, size and
+    modification time. Two builds of one version (stock and row-invariant) differ here."""
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    return ";".join(
+        f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}"
+        for path in sorted(lib_dir.glob("lib*"))
+        for stat in (path.stat(),)
+    )
+
+
 @contextlib.contextmanager
 def prompt_chunk_kernels() -> Iterator[None]:
     """Passes inside take the sdist's row thresholds: for prompt chunks only."""

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from functools import partial
 
 import llama_cpp
 from redis import Redis
 
 from shared.job_store import JobStore
 from shared.prefix_cache import CounterPublisher, PrefixCache, open_cache
+from shared.prefix_cache.fingerprint import configured_fingerprint, cpu_kernels
 from shared.redis_outage import RedisWaiter
 from shared.redis_server import connect
 from shared.result_cache import open_results
@@ -17,7 +20,8 @@ from shared.warm_runs import WarmRuns
 from worker import tasks
 from worker.conclave.engine import ConclaveEngine
 from worker.conclave.loop import Conclave
-from worker.conclave.row_check import PAST_PADDED_WINDOW, batched_rows_equal_lone
+from worker.conclave.row_check import PAST_PADDED_WINDOW, batched_rows_equal_lone, remembered
+from worker.kernels import build_stamp, exact_row_limit
 from worker.model import load_model, memory_is_truncatable, warm_up
 from worker.prefix_saver import PrefixSaver
 from worker.worker import ConclaveWorker
@@ -51,7 +55,18 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
         warm_up(llama)
         if rows_invariant is not None:
             return rows_invariant
-        return batched_rows_equal_lone(llama, n_seq, long_cells)
+        what_decides = [
+            configured_fingerprint(settings),  # the model file and flash attention
+            cpu_kernels(),
+            build_stamp(),
+            f"exact-rows={exact_row_limit()}",
+            f"threads={llama.context_params.n_threads}",
+            f"sequences={n_seq}",
+            f"long-cells={long_cells}",
+        ]
+        key = hashlib.blake2b("|".join(what_decides).encode(), digest_size=16).hexdigest()
+        check = partial(batched_rows_equal_lone, llama, n_seq, long_cells)
+        return remembered(settings.data_dir / "row-checks.json", key, check)
 
     conclave = Conclave(
         llama,

@@ -38,7 +38,7 @@ def file_digest(path: Path, sidecar_dir: Path) -> str:
     stat = path.stat()
     stamp = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     sidecar = sidecar_dir / "fingerprints.json"
-    known = _read_json(sidecar)
+    known = read_json(sidecar)
     if stamp in known:
         return str(known[stamp])
     digest = hashlib.blake2b(digest_size=16)
@@ -46,7 +46,7 @@ def file_digest(path: Path, sidecar_dir: Path) -> str:
         while chunk := f.read(_CHUNK_BYTES):
             digest.update(chunk)
     known[stamp] = digest.hexdigest()
-    _write_json(sidecar, known)
+    write_json(sidecar, known)
     return digest.hexdigest()
 
 
@@ -83,7 +83,7 @@ def cache_fingerprint(settings: Settings) -> str:
     return with_kernels(configured_fingerprint(settings), cpu_kernels())
 
 
-def _read_json(path: Path) -> dict[str, object]:
+def read_json(path: Path) -> dict[str, object]:
     try:
         data = orjson.loads(path.read_bytes())
     except (OSError, orjson.JSONDecodeError):
@@ -91,8 +91,8 @@ def _read_json(path: Path) -> dict[str, object]:
     return data if isinstance(data, dict) else {}
 
 
-def _write_json(path: Path, data: dict[str, object]) -> None:
-    """Best effort: a lost sidecar only costs a re-hash."""
+def write_json(path: Path, data: dict[str, object]) -> None:
+    """Best effort, atomically: a lost sidecar only costs its work again."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
+import orjson
+import pytest
 from llama_cpp import Llama
 
 from shared.settings import Settings
@@ -40,43 +43,47 @@ def test_a_short_row_beside_a_sequence_past_the_padded_window_equals_it_alone() 
     assert check("smollm2-135m", 8, long_cells=PAST_PADDED_WINDOW)
 
 
+@pytest.mark.qwen
 def test_qwens_steps_of_2_to_31_rows_batch_its_q8_0_and_q5_0_weights_and_equal_lone_rows() -> None:
     # On AVX2 llamafile's kernels for those weights run from 2 rows (deploy/build-llama-wheel.sh):
     # rows beside a sequence past the padded window still equal their lone selves.
-    assert check("qwen2.5-0.5b", 31, long_cells=PAST_PADDED_WINDOW)
+    assert check("qwen2.5-coder-0.5b", 31, long_cells=PAST_PADDED_WINDOW)
 
 
+@pytest.mark.qwen
 def test_a_step_of_32_rows_or_more_takes_the_batch_kernels_and_the_check_sees_it() -> None:
     # The patched thresholds are 32 rows: from there Qwen's Q4_K and Q6_K weights take
     # llama.cpp's batch kernels, whose rows differ from lone ones (its Q8_0 and Q5_0 ones batch
     # from 2 rows, as lone rows compute). The check must say so, or it could not catch a stock
     # wheel.
-    assert not check("qwen2.5-0.5b", 40)
+    assert not check("qwen2.5-coder-0.5b", 40)
 
 
+@pytest.mark.qwen
 def test_prompt_chunks_take_the_sdists_kernels_and_decode_steps_the_exact_ones_again() -> None:
     # The switch reaches the kernels: inside it, a step of 8 rows takes the sdist's batch path
     # (Qwen's weights then give rows that differ from lone ones); after it, the exact path.
     threshold = exact_rows()
     assert threshold is not None, "the installed wheel was built without granary's switch"
     assert threshold.value == 32
-    with loaded("qwen2.5-0.5b", 8) as llama:
+    with loaded("qwen2.5-coder-0.5b", 8) as llama:
         with prompt_chunk_kernels():
             assert not batched_rows_equal_lone(llama, 8)
         assert threshold.value == 32
         assert batched_rows_equal_lone(llama, 8)
 
 
-def test_with_flash_attention_rows_beside_a_sequence_past_the_padded_window_equal_lone_rows() -> (
-    None
-):
+def test_with_flash_attention_rows_beside_a_sequence_past_the_padded_window_equal_lone_rows(
+    tmp_path: Path,
+) -> None:
     """Stock flash attention splits a lone row's window among threads from 512 cells (a row of
     260 cells reads a window padded to 512), never a row beside others; the wheel `make
     install` builds never splits a decode row. The worker checks that case with flash attention
-    on, and finds rows equal."""
+    on, and finds rows equal. (A data directory of its own: no answer kept from an earlier
+    worker stands in for the check, and the worker keeps the one it found.)"""
     settings = Settings(
         model="smollm2-135m",
-        data_dir=DATA_DIR,
+        data_dir=tmp_path,
         n_ctx=512,
         flash_attn=True,
         cache={"enabled": False},
@@ -87,6 +94,7 @@ def test_with_flash_attention_rows_beside_a_sequence_past_the_padded_window_equa
         assert engine.conclave.rows_invariant
     finally:
         engine.close()
+    assert list(orjson.loads((tmp_path / "row-checks.json").read_bytes()).values()) == [True]
 
 
 def test_the_check_covers_where_stock_kernels_switch_and_the_widest_step() -> None:

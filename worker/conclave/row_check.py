@@ -6,9 +6,12 @@ so a row decoded beside others gets slightly different logits than alone, and ex
 has to replay near ties (loop.py). The wheel `make install` builds starts those paths at 32
 rows (deploy/build-llama-wheel.sh); then a decode step of fewer rows needs no replay at all.
 
-This checks it on the loaded model at start-up instead of trusting the build (another wheel,
-another CPU, a model whose weights take another kernel): a step of n rows, one per sequence,
-must give every row the logits, bit for bit, that the same token decoded alone gets. Sequences
+This checks it on the loaded model instead of trusting the build (another wheel, another CPU, a
+model whose weights take another kernel): a step of n rows, one per sequence, must give every
+row the logits, bit for bit, that the same token decoded alone gets. The answer depends only on
+the build, the CPU's kernels, the model and the check's shape, so a host runs it once for each
+such set and keeps the answer in its data directory (`remembered`): a restarted worker does not
+spend seconds finding it again. Sequences
 hold different numbers of cells. A row whose sequence is short, decoded beside one past the 256
 cells to which llama.cpp pads a step's attention window (`get_n_kv` in llama-kv-cache.cpp),
 reads a longer window than alone. With the default attention kernel that changes nothing, the
@@ -23,12 +26,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import llama_cpp
 import numpy as np
 import numpy.typing as npt
 from llama_cpp import Llama
 
+from shared.prefix_cache.fingerprint import read_json, write_json
 from worker.decode_batch import fill_batch, llama_batch
 
 log = logging.getLogger(__name__)
@@ -96,9 +102,24 @@ def batched_rows_equal_lone(llama: Llama, n_seq: int, long_cells: int = 0) -> bo
                     break
         finally:
             llama_cpp.llama_memory_clear(mem, True)
-    log.info(
-        "row check: batched rows %s lone rows (%.0f ms)",
-        "equal" if equal else "differ from",
-        (time.perf_counter() - started) * 1000,
-    )
+    elapsed_ms = (time.perf_counter() - started) * 1000
+    log.info("row check: batched rows %s lone rows (%.0f ms)", _equal(equal), elapsed_ms)
     return equal
+
+
+def remembered(record: Path, key: str, check: Callable[[], bool]) -> bool:
+    """`check()`'s answer for `key`, computed once and kept in `record` (a JSON object of key
+    to answer). `key` must name everything the answer depends on. A record that cannot be read
+    or written only costs running the check again."""
+    known = read_json(record)
+    answer = known.get(key)
+    if isinstance(answer, bool):
+        log.info("row check: batched rows %s lone rows (%s)", _equal(answer), record)
+        return answer
+    answer = check()
+    write_json(record, {**read_json(record), key: answer})
+    return answer
+
+
+def _equal(equal: bool) -> str:
+    return "equal" if equal else "differ from"
