@@ -1,7 +1,7 @@
 """A document inside a chat message, no `document` field: the next question's first token.
 
 What OpenAI clients send: one user message holding a ~3,000-token document, a blank line and
-a question (Qwen2.5-0.5B, 2 threads, greedy, streaming `/v1/chat/completions`, timed at the
+a question (Qwen2.5-Coder-0.5B, 2 threads, greedy, streaming `/v1/chat/completions`, timed at the
 client). A first question prefills cold; five more follow in the same server process (memory);
 then the server restarts before each of five more (granary: only the cache directory can
 help). llama.cpp's `llama-server -np 8 -kvu` answers the same questions about another document

@@ -2,7 +2,7 @@
 
 A chat whose system message holds a nonce (so no two requests share more than the template's
 first tokens, on any system) and whose user message is a ~1,200- or ~3,600-token document
-(Qwen2.5-0.5B, 2 threads, greedy, 1 token, streaming `/v1/chat/completions`, timed at the
+(Qwen2.5-Coder-0.5B, 2 threads, greedy, 1 token, streaming `/v1/chat/completions`, timed at the
 client: granary's time includes its whole job path). Systems run side by side, one request at a
 time, in rounds: each round asks every system once per size, back to back, and a system's ratio
 to the peer is taken within each round (bench/paired.py). Systems: granary as configured by default (the Conclave, `flash_attn` on), granary

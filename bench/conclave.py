@@ -355,7 +355,7 @@ def _render(
     lines = [
         "## Many users on one worker (the Conclave)",
         "",
-        "`bench/conclave.py`: Qwen2.5-0.5B, 2 threads, one worker; streaming OpenAI chat, distinct "
+        "`bench/conclave.py`: Qwen2.5-Coder-0.5B, 2 threads, one worker; streaming OpenAI chat, distinct "
         f"~115-token prompts, {MAX_TOKENS} tokens each, greedy; all clients start at once and "
         f"each sends {REQUESTS} requests one after the other. tok/s: completion tokens over the "
         "wall time of the round; TTFT over all its requests. Every system runs side by side "
@@ -451,7 +451,7 @@ def sweep_section(settings: Settings, log_dir: Path) -> str:
         "",
         f"`bench/conclave.py`, `worker.max_active_jobs` (default 8): {SWEEP_CLIENTS} clients at "
         f"once, each sending {REQUESTS} requests one after the other (distinct ~115-token chats, "
-        f"{MAX_TOKENS} tokens, greedy, exact batching; Qwen2.5-0.5B, 2 threads, one worker), one "
+        f"{MAX_TOKENS} tokens, greedy, exact batching; Qwen2.5-Coder-0.5B, 2 threads, one worker), one "
         "round per setting, each on a new worker.",
         "",
         "| max_active_jobs | clients | tok/s | TTFT p50 s |",

@@ -1,7 +1,7 @@
 """Where a restore's time goes: reading a blob, checking it, loading it into llama.cpp; and
 what the snapshot a save starts with costs the model thread.
 
-A ~3,000-token Qwen2.5-0.5B state is saved to a cache directory on this machine's disk and
+A ~3,000-token Qwen2.5-Coder-0.5B state is saved to a cache directory on this machine's disk and
 restored as a worker does, with its file in the page cache. Each step is timed on its own,
 beside two plain copies of the same bytes: the floor a restore could approach.
 """
@@ -154,7 +154,7 @@ def _row(label: str, timing: tuple[float, float]) -> str:
 
 HEADER = """## Prefix cache: where a restore's time goes
 
-One Qwen2.5-0.5B state of {tokens} tokens ({mb:.1f} MB) saved to a cache directory on this
+One Qwen2.5-Coder-0.5B state of {tokens} tokens ({mb:.1f} MB) saved to a cache directory on this
 machine's disk, then restored as a worker does (file in the page cache), each step timed on its
 own, {rounds} times; "whole restore" is the lookup and load that a job's `timings.restore_ms`
 includes on a hit; "of a delta", the same state stored as its last cells on a base holding the

@@ -56,7 +56,7 @@ def _settings(redis_url: str, model: str, **extra: object) -> Settings:
 
 def _job_path_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     rows = []
-    for model, max_tokens in (("smollm2-135m", 200), ("qwen2.5-0.5b", 96)):
+    for model, max_tokens in (("smollm2-135m", 200), ("qwen2.5-coder-0.5b", 96)):
         # No disk cache: this compares per-token cost, and raw llama-cpp-python has none.
         settings = _settings(redis_url, model, cache={"enabled": False})
         stack = Stack(settings, log_dir)
@@ -72,7 +72,7 @@ def _job_path_section(redis_url: str, log_dir: Path, quick: bool) -> str:
 def _prefix_cache_sections(redis_url: str, log_dir: Path, quick: bool) -> list[str]:
     settings = _settings(
         redis_url,
-        "qwen2.5-0.5b",
+        "qwen2.5-coder-0.5b",
         n_ctx=4096,
         cache={"dir": log_dir / "kv"},
     )
@@ -86,13 +86,13 @@ def _prefix_cache_sections(redis_url: str, log_dir: Path, quick: bool) -> list[s
 
 def _chat_document_section(redis_url: str, log_dir: Path, server: Path | None) -> str:
     settings = _settings(
-        redis_url, "qwen2.5-0.5b", n_ctx=4096, cache={"dir": log_dir / "chat-document-kv"}
+        redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, cache={"dir": log_dir / "chat-document-kv"}
     )
     return chat_document.section(settings, log_dir, server, seed=int(time.time()) % 10_000)
 
 
 def _restore_section(redis_url: str, log_dir: Path, quick: bool) -> str:
-    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096)
+    settings = _settings(redis_url, "qwen2.5-coder-0.5b", n_ctx=4096)
     return restore.section(settings, log_dir / "restore-kv", rounds=5 if quick else 15)
 
 
@@ -106,12 +106,14 @@ def _result_cache_section(redis_url: str, log_dir: Path, quick: bool) -> str:
 
 
 def _warm_section(redis_url: str, log_dir: Path, quick: bool) -> str:
-    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, cache={"dir": log_dir / "warm-kv"})
+    settings = _settings(
+        redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, cache={"dir": log_dir / "warm-kv"}
+    )
     return warm.section(settings, log_dir, n_items=90, rounds=1 if quick else 3)
 
 
 def _extraction_section(redis_url: str, log_dir: Path) -> str:
-    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
+    settings = _settings(redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, n_threads=2)
     return extraction.section(settings, log_dir)
 
 
@@ -134,7 +136,7 @@ def _exam_section(redis_url: str, log_dir: Path, saved: Path | None) -> str:
 def _speculation_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     rounds = 1 if quick else 3
     results: dict[str, speculation.Results] = {}
-    for model in ("qwen2.5-0.5b", "smollm2-135m"):
+    for model in ("qwen2.5-coder-0.5b", "smollm2-135m"):
         # Every job decodes: no result store, no cache state carried from another suite.
         settings = _settings(redis_url, model, n_ctx=4096, n_threads=2, cache={"enabled": False})
         stack = Stack(settings, log_dir)
@@ -149,46 +151,46 @@ def _speculation_section(redis_url: str, log_dir: Path, quick: bool) -> str:
 def _batch_rows_section(
     redis_url: str, stock_site: Path | None, invariant_site: Path | None
 ) -> str:
-    models = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
+    models = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
     settings = [_settings(redis_url, m) for m in models]
     return batch_rows.section(settings, stock_site, invariant_site)
 
 
 def _prompt_kernels_section(redis_url: str) -> str:
-    models = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
+    models = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
     return prompt_kernels.section([_settings(redis_url, m, n_threads=2) for m in models])
 
 
 def _chunk_shape_section(redis_url: str) -> str:
-    models = ["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"]
+    models = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
     return chunk_shape.section([_settings(redis_url, m) for m in models])
 
 
 def _conclave_section(
     redis_url: str, log_dir: Path, server: Path | None, stock_site: Path | None, quick: bool
 ) -> str:
-    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
+    settings = _settings(redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, n_threads=2)
     return conclave.section(settings, log_dir, server, stock_site, rounds=1 if quick else 2)
 
 
 def _conclave_sweep_section(redis_url: str, log_dir: Path) -> str:
-    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
+    settings = _settings(redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, n_threads=2)
     return conclave.sweep_section(settings, log_dir)
 
 
 def _cold_prefill_section(redis_url: str, log_dir: Path, server: Path | None, quick: bool) -> str:
-    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
+    settings = _settings(redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, n_threads=2)
     return cold_prefill.section(settings, log_dir, server, rounds=1 if quick else 3)
 
 
 def _first_read_section(redis_url: str, log_dir: Path, server: Path | None, quick: bool) -> str:
-    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=2)
+    settings = _settings(redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, n_threads=2)
     return first_read.section(settings, log_dir, server, rounds=1 if quick else 3)
 
 
 def _routing_section(redis_url: str, log_dir: Path) -> str:
     # Two workers on two cores: one thread each.
-    settings = _settings(redis_url, "qwen2.5-0.5b", n_ctx=4096, n_threads=1)
+    settings = _settings(redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, n_threads=1)
     return routing.section(settings, log_dir)
 
 

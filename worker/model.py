@@ -46,8 +46,9 @@ def load_model(settings: Settings, n_seq: int) -> Llama:
 def warm_up(llama: Llama) -> None:
     """One throwaway decode before the first job, as llama-server makes at start. The weights
     are mapped from the model file, so the first decode after a start takes the page faults of
-    every weight it reads (tens of thousands for Qwen2.5-0.5B) and llama.cpp's first-use setup:
-    without this, the first request after a restart paid for them in its time to first token.
+    every weight it reads (tens of thousands for Qwen2.5-Coder-0.5B) and llama.cpp's first-use
+    setup: without this, the first request after a restart paid for them in its time to first
+    token.
     The cell is cleared with its data, so no job sees it."""
     started = time.perf_counter()
     vocab = llama_cpp.llama_model_get_vocab(llama.model)

