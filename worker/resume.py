@@ -1,9 +1,8 @@
 """A job re-run after its worker died carries on from what its earlier attempt streamed.
 
 Clients already hold those tokens; the re-run must not contradict them. Regenerating from
-scratch gives the same tokens only while decoding is a pure function of the job (greedy or a
-fixed seed, fixed batch shapes); speculative decoding without tie replays is not (what it
-drafts depends on timing and on the archive, and batched rows round differently), and the
+scratch gives the same tokens only while decoding is a pure function of the job, which a
+re-run on another host's kernels, or a sampled stream whose drafts differ, need not be; the
 stream would then join two different runs. So the re-run reads the published events back, takes
 their token ids as given (prefilled after the prompt, fed silently through each answer's text
 stream), publishes from the next index on, and decodes only the rest.

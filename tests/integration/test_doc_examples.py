@@ -1,9 +1,10 @@
-"""Every example in the README runs as pasted, against a real stack (API, worker, Redis, model).
+"""Every example in the README and docs/ runs as pasted, against a real stack (API, worker,
+Redis, model).
 
 Shell lines run with bash in a scratch directory; the only change made to them is the address:
 `localhost:8080` becomes the test stack's port, and `.venv/bin/` the suite's own venv. A line
-that cannot run inside the suite is listed in NOT_RUN_HERE with the reason; a README line that
-is neither run nor listed fails the suite, so a new example is run or explained.
+that cannot run inside the suite is listed in NOT_RUN_HERE with the reason; a line that is
+neither run nor listed fails the suite, so a new example is run or explained.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import redis
 
 from tests.harness import REPO, Stack, settings_env
 
-README = (REPO / "README.md").read_text()
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 
 # Prefix of a README line -> why the suite does not run it.
@@ -35,7 +36,9 @@ NOT_RUN_HERE = {
 
 
 def blocks(language: str) -> list[str]:
-    return [body for lang, body in BLOCK.findall(README) if lang == language]
+    return [
+        body for doc in DOCS for lang, body in BLOCK.findall(doc.read_text()) if lang == language
+    ]
 
 
 def shell_lines() -> list[str]:
@@ -50,7 +53,7 @@ def runnable(line: str) -> bool:
 def test_every_shell_line_is_run_or_explained() -> None:
     for line in shell_lines():
         known = line.startswith(("granary ", ".venv/bin/granary ", "curl "))
-        assert known or not runnable(line), f"README line neither run here nor explained: {line}"
+        assert known or not runnable(line), f"example neither run here nor explained: {line}"
 
 
 def _pasted(line: str, stack: Stack) -> str:
@@ -90,15 +93,16 @@ def test_shell_examples_run_as_pasted(stack_factory: Callable[..., Stack], tmp_p
         if "--wait" in line:
             assert orjson.loads(result.stdout)["status"] == "finished"
         ran += 1
-    assert ran >= 11  # submit twice, curl, three document commands, five cache commands
+    # submit twice, curl, two document commands in README; three in FEATURES; five cache commands
+    assert ran >= 13
 
 
 def test_python_examples_run_as_pasted(stack_factory: Callable[..., Stack]) -> None:
     stack = stack_factory()
-    (code,) = blocks("python")
+    examples = blocks("python")
     port = stack.settings.api.port
-    namespace: dict[str, object] = {}
-    exec(code.replace("127.0.0.1:8080", f"127.0.0.1:{port}"), namespace)
-    # It asked one question: one finished job.
+    for code in examples:
+        exec(code.replace("127.0.0.1:8080", f"127.0.0.1:{port}"), {})
+    # Each asks one question: one finished job each.
     jobs = redis.Redis.from_url(stack.settings.redis_url).keys("granary:job:*[0-9a-f]")
-    assert len(jobs) == 1
+    assert len(jobs) == len(examples) >= 1

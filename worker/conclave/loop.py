@@ -245,7 +245,7 @@ class Conclave:
         # Every decode of the model happens on this one thread, the start-up's too. llama.cpp's
         # CPU backend runs a decode on an OpenMP team of the calling thread, and each thread
         # that ever decoded keeps a team: with a second one left from a decode on the main
-        # thread, every decode here took ~1.4x as long on 2 cores (docs/ARCHITECTURE.md).
+        # thread, every decode here took much longer on 2 cores (docs/ARCHITECTURE.md).
         try:
             self.rows_invariant = startup()
         except BaseException as exc:
