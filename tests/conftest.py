@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from shared.models import MODEL_ALIASES, NAMED_MODELS, NamedModel
 from shared.redis_server import answers, private_redis
 from shared.settings import DEFAULT_REDIS_URL, Settings
 from tests.harness import REPO, Stack, free_port
@@ -29,6 +30,62 @@ DATA_DIR = REPO / ".data" / "test"
 # stacks a module's tests share, so a test's flush never empties a shared stack's database.
 _databases = itertools.count()
 _module_databases = itertools.count()
+
+# What each test model can do: a test marked `needs(trait)` is generated only for the models
+# that can (a parametrised model without it is deselected, not skipped).
+MODEL_TRAITS = {
+    "smollm2-135m": {"chat_template", "deltas"},
+    "qwen2.5-coder-0.5b": {"chat_template", "deltas"},
+    "gemma3-270m": set(),  # no chat template; a sliding window, so no deltas
+}
+# The marker a test that loads the model carries, so `-m "not qwen"` loads no Qwen.
+MODEL_MARKERS = {"qwen2.5-coder-0.5b": "qwen", "gemma3-270m": "gemma"}
+_running: list[pytest.Item] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    kept, deselected = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params.values() if callspec is not None else ()
+        models = [value for value in params if isinstance(value, str) and value in MODEL_TRAITS]
+        needs = {trait for marker in item.iter_markers("needs") for trait in marker.args}
+        for model in models:
+            if model in MODEL_MARKERS:
+                item.add_marker(MODEL_MARKERS[model])
+        if all(needs <= MODEL_TRAITS[model] for model in models):
+            kept.append(item)
+        else:
+            deselected.append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    _running[:] = [item]  # before its fixtures, module-scoped ones included, are set up
+    yield
+
+
+def require_model_marker(model: str) -> None:
+    """Fails the running test if it loads a model whose marker it does not carry."""
+    marker = MODEL_MARKERS.get(MODEL_ALIASES.get(model, model))
+    if marker is None or not _running or _running[0].get_closest_marker(marker) is not None:
+        return
+    pytest.fail(f"{_running[0].nodeid} loads {model} without @pytest.mark.{marker}", False)
+
+
+def _checked(named: NamedModel) -> NamedModel:
+    def locate(models_dir: Path) -> Path:
+        require_model_marker(named.name)
+        return named.locate(models_dir)
+
+    return NamedModel(named.name, named.install_hint, locate)
+
+
+# In this process every named model is looked up through the check; stacks check their own.
+NAMED_MODELS.update({name: _checked(named) for name, named in NAMED_MODELS.items()})
 
 
 @pytest.fixture(scope="session")
@@ -92,6 +149,7 @@ def _stacks(settings: Callable[..., Settings], log_dir: Path) -> Iterator[Callab
     def make(workers: int = 1, **overrides: object) -> Stack:
         api = {"port": free_port(), **overrides.pop("api", {})}  # type: ignore[dict-item]
         stack = Stack(settings(api=api, **overrides), log_dir)
+        require_model_marker(stack.settings.model)
         stacks.append(stack)
         stack.start(workers)
         return stack

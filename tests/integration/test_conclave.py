@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 
 from tests.harness import Stack
 from tests.integration.test_job_path import (
@@ -48,10 +49,11 @@ def overlapped(views: list[dict[str, Any]]) -> bool:
     return bool(max(v["started_at"] for v in views) < min(v["finished_at"] for v in views))
 
 
+@pytest.mark.qwen
 def test_greedy_qwen_chats_run_together_equal_their_lone_runs(
     stack_factory: Callable[..., Stack],
 ) -> None:
-    stack = stack_factory(model="qwen2.5-0.5b", worker={"max_active_jobs": 8})
+    stack = stack_factory(model="qwen2.5-coder-0.5b", worker={"max_active_jobs": 8})
     lone = [finish_all(stack, [submit(stack, chat(q, 16))])[0] for q in CHATS]
     together = finish_all(stack, [submit(stack, chat(q, 16)) for q in CHATS])
     assert all(v["status"] == "finished" for v in lone + together)

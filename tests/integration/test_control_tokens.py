@@ -68,7 +68,7 @@ GEMMA3_TEMPLATE = (
 
 MODELS = [
     pytest.param("smollm2-135m"),
-    pytest.param("qwen2.5-0.5b", marks=pytest.mark.qwen),
+    pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.qwen),
     pytest.param("gemma3-270m", marks=pytest.mark.gemma),
 ]
 _CONTROL = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN

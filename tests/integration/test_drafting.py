@@ -33,7 +33,7 @@ GREEDY = Sampling()
 _namespaces = (f"ns-{n}" for n in itertools.count())
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-0.5b"])
+@pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-coder-0.5b"])
 def engine(request: pytest.FixtureRequest) -> Iterator[ConclaveEngine]:
     built = build_conclave(
         Settings(

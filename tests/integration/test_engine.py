@@ -88,10 +88,10 @@ def test_memory_reuse_never_changes_the_output(pair: Pair) -> None:
     assert again == cold_second
 
 
+@pytest.mark.needs("chat_template")
 def test_chat_template_rendering_matches_llama_cpp(pair: Pair) -> None:
     engine = pair.engine
-    if not engine.llama.metadata.get("tokenizer.chat_template"):
-        pytest.skip("model ships no chat template")
+    assert engine.llama.metadata.get("tokenizer.chat_template")
     messages = [{"role": "user", "content": "Name a fruit."}]
     request = JobRequest.model_validate({"messages": messages, "max_tokens": 12, "temperature": 0})
     prompt = render_prompt(engine.llama, request)

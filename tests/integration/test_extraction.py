@@ -77,7 +77,7 @@ def alone(stack: Stack, question: str) -> str:
 def test_answers_equal_one_question_jobs_and_stream_tagged(
     stack_factory: Callable[..., Stack],
 ) -> None:
-    stack = stack_factory(model="qwen2.5-0.5b", cache=CACHE)
+    stack = stack_factory(model="qwen2.5-coder-0.5b", cache=CACHE)
     events = stream(stack, extraction(stack, QUESTIONS)["id"])
     final = events[-1][1]
     assert events[-1][0] == "done" and final["status"] == "finished", final
@@ -102,7 +102,6 @@ def test_answers_equal_one_question_jobs_and_stream_tagged(
         assert answers[f"q{i}"]["text"] == alone(stack, question), question
 
 
-@pytest.mark.qwen
 def test_killed_worker_extraction_carries_on_from_its_stream(stack: Stack) -> None:
     questions = ["Copy the whole invoice, line by line.", "Which product is on line 5?"]
     job = extraction(stack, questions, max_tokens=120, temperature=0)
@@ -124,9 +123,10 @@ def test_killed_worker_extraction_carries_on_from_its_stream(stack: Stack) -> No
         assert sum(event == "answer" and data["question"] == qid for event, data in seen) == 1
 
 
+@pytest.mark.qwen
 def test_questions_beyond_the_context_run_in_waves(stack_factory: Callable[..., Stack]) -> None:
     # ~330 document tokens; each question needs ~20 + 200: three do not fit in 768 at once.
-    stack = stack_factory(model="qwen2.5-0.5b", n_ctx=768, cache=CACHE)
+    stack = stack_factory(model="qwen2.5-coder-0.5b", n_ctx=768, cache=CACHE)
     job = extraction(stack, QUESTIONS[:3], max_tokens=200, stop=["\n", "."])
     final = wait_status(stack, job["id"], {"finished", "failed"}, timeout_s=300)
     assert final["status"] == "finished", final

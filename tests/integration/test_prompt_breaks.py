@@ -22,7 +22,7 @@ PAGE = "\n\n".join(
 SYSTEM = "You answer questions about warehouse pages. " * 6
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-0.5b", "gemma3-270m"])
+@pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"])
 def llama(request: pytest.FixtureRequest) -> Iterator[Llama]:
     model = load_llama(Settings(model=request.param, data_dir=DATA_DIR), vocab_only=True)
     yield model
@@ -55,9 +55,9 @@ def test_a_plain_prompt_breaks_where_its_question_starts(llama: Llama) -> None:
     assert llama.detokenize(one[last:]).decode().startswith("Question")
 
 
+@pytest.mark.needs("chat_template")
 def test_a_chat_breaks_after_the_system_prompt_and_before_the_question(llama: Llama) -> None:
-    if not llama.metadata.get("tokenizer.chat_template"):
-        pytest.skip("this model has no chat template")
+    assert llama.metadata.get("tokenizer.chat_template")
     one, two = (tokens_of(llama, chat(q)) for q in ("Which shelf?", "How many plums in all?"))
     breaks = content_breaks(llama, one)
     assert breaks == content_breaks(llama, two)[: len(breaks)]
@@ -67,12 +67,12 @@ def test_a_chat_breaks_after_the_system_prompt_and_before_the_question(llama: Ll
     assert 0 <= common_prefix_len(one, two) - question <= 4
 
 
+@pytest.mark.needs("chat_template")
 def test_a_document_in_a_system_message_breaks_where_the_question_starts(llama: Llama) -> None:
     """OpenAI clients send the document as a message of its own and a short question after it:
     a chunk ends where the question's words start, so the next question reads only them (not
     the turn markers and role line between the two messages, which every question shares)."""
-    if not llama.metadata.get("tokenizer.chat_template"):
-        pytest.skip("this model has no chat template")
+    assert llama.metadata.get("tokenizer.chat_template")
 
     def asked(question: str) -> list[int]:
         messages = [{"role": "system", "content": PAGE}, {"role": "user", "content": question}]
@@ -90,13 +90,13 @@ def test_a_document_in_a_system_message_breaks_where_the_question_starts(llama: 
     assert max(content_breaks(llama, long_question)) < len(long_question) - MIN_TAIL
 
 
+@pytest.mark.needs("chat_template")
 def test_a_conversations_next_turn_breaks_where_the_last_turn_stopped_its_prefill(
     llama: Llama,
 ) -> None:
     """A prompt's prefill stops before its last token, the newline of the answering role's
     line; the next turn, which holds that prompt and then the answer, breaks right there."""
-    if not llama.metadata.get("tokenizer.chat_template"):
-        pytest.skip("this model has no chat template")
+    assert llama.metadata.get("tokenizer.chat_template")
     turn = [{"role": "system", "content": PAGE}, {"role": "user", "content": "Which shelf?"}]
     answer = {"role": "assistant", "content": "Shelf 3 holds the most crates of plums."}
     last = tokens_of(llama, JobRequest.model_validate({"messages": turn}))

@@ -145,13 +145,14 @@ def test_a_restarted_warmer_catches_up_once(stack_factory: Callable[..., Stack])
     client.set(keys.warmer_last_fire(), three_days_ago.isoformat())
     stack.start_warmer()
     runs = WarmRuns(client, JobStore(client, 60), stack.settings)
-    first = wait_for(lambda: runs.recent(), "the catch-up run")
-    time.sleep(2)
-    assert [r.trigger for r in runs.recent()] == ["catch-up"]
+    # It logs that it started once its catch-up is decided (and run): one run, not two.
+    wait_for(lambda: "warmer started" in stack.log("warmer"), "the warmer to start")
+    first = runs.recent()
+    assert [r.trigger for r in first] == ["catch-up"]
     # Restarted again: nothing was missed since the catch-up.
     stack.stop_process("warmer")
     stack.start_warmer(name="warmer-2")
-    time.sleep(3)
+    wait_for(lambda: "warmer started" in stack.log("warmer-2"), "the warmer to start again")
     assert [r.id for r in runs.recent()] == [first[0].id]
     assert isinstance(first[0], WarmRunView)
 

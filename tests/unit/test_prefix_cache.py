@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import hashlib
 import json
@@ -11,6 +12,7 @@ import random
 import struct
 import subprocess
 from collections import Counter
+from collections.abc import Iterator
 from multiprocessing.synchronize import Event
 from pathlib import Path
 
@@ -776,20 +778,32 @@ def test_write_failures_make_save_return_false(err: int, caplog: pytest.LogCaptu
     assert "save skipped" in caplog.text
 
 
-def test_read_only_directory(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    root = tmp_path / "ro"
-    root.mkdir()
-    root.chmod(0o555)
+@contextlib.contextmanager
+def read_only_directory(path: Path) -> Iterator[Path]:
+    """A directory no write reaches: by its mode for a user, and for root (whom modes do not
+    stop) a read-only tmpfs mounted there, as a read-only cache mount would be."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
+        return
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], check=True)
     try:
-        if os.access(root, os.W_OK):
-            pytest.skip("running as a user that bypasses permissions (root)")
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_read_only_directory(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with read_only_directory(tmp_path / "ro") as root:
         cache = make_cache(DirectoryBlobStore(root))
         with caplog.at_level(logging.WARNING):
             assert cache.save(P, state_for(P)) is False
         assert "save skipped" in caplog.text
         assert cache.lookup([*P, 1]) is None
-    finally:
-        root.chmod(0o755)
 
 
 class FreezableStore(MemoryBlobStore):
