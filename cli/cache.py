@@ -1,4 +1,4 @@
-"""`granary cache stats|ls|verify|prune|clear`: look after the shared prefix cache by hand."""
+"""`granary cache stats|ls|verify|prune|clear|forget`: look after the prefix cache by hand."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ import orjson
 from shared.prefix_cache import PrefixCache, cache_report, open_cache
 from shared.redis_server import answers, connect
 from shared.settings import Settings
+from shared.worker_commands import FORGET, send_to_every_worker
 
 
 def run_cache_command(action: str, settings: Settings) -> int:
+    if action == "forget":
+        return _forget(settings)
     cache = open_cache(settings)
     if action == "stats":
         redis = connect(settings.redis_url) if answers(settings.redis_url) else None
@@ -27,6 +30,13 @@ def run_cache_command(action: str, settings: Settings) -> int:
     elif action == "clear":
         _print({"entries_removed": cache.clear()})
     return 0
+
+
+def _forget(settings: Settings) -> int:
+    """Every live worker drops what its memory holds idle; the disk cache keeps it."""
+    answered, silent = send_to_every_worker(connect(settings.redis_url), FORGET)
+    _print({"workers_forgot": answered, "workers_not_answering": silent})
+    return 1 if silent else 0
 
 
 def _list(cache: PrefixCache) -> None:

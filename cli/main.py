@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     normalize.add_argument("--type", choices=TYPES, default=None, help="else detected")
     sub.add_parser("prepare", help="provision the configured model and print its path")
     cache = sub.add_parser("cache", help="inspect or manage the shared prefix cache")
-    cache.add_argument("action", choices=["stats", "ls", "verify", "prune", "clear"])
+    cache.add_argument("action", choices=["stats", "ls", "verify", "prune", "clear", "forget"])
 
     submit = sub.add_parser("submit", help="submit a prompt and stream the answer")
     submit.add_argument("prompt", help="the prompt, or @FILE to read it from a file")

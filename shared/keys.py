@@ -115,6 +115,11 @@ def routing_workers() -> str:
     return f"{PREFIX}:routing:workers"
 
 
+def command_replies(command_id: str) -> str:
+    """List: the names of the workers that carried out one command sent to them all."""
+    return f"{PREFIX}:command:{command_id}:replies"
+
+
 def routed() -> str:
     """Sorted set: "<private queue> <job id>" -> when the job was routed (Redis time), so any
     worker can hand a job its worker did not take back to the shared queue."""

@@ -16,6 +16,7 @@ import httpx
 import redis
 
 from shared.settings import Settings
+from shared.worker_commands import FORGET, send_to_every_worker
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -107,6 +108,13 @@ class Stack:
         # slow phase of the host makes everything up to 2.5 times slower; a process that exits
         # fails at once above, so a long wait only ever waits for one that is still starting.
         _wait_for(done, what, timeout_s=180)
+
+    def forget(self) -> None:
+        """Every worker writes its pending snapshots and drops what its memory holds idle, as
+        `granary cache forget` asks: only the disk cache can help the next job."""
+        client = redis.Redis.from_url(self.settings.redis_url)
+        answered, silent = send_to_every_worker(client, FORGET, timeout_s=60)
+        assert answered and not silent, f"workers that did not forget: {silent}"
 
     def start_warmer(self, *args: str, name: str = "warmer") -> subprocess.Popen[bytes]:
         return self._spawn(name, "warmer", *args)

@@ -125,4 +125,5 @@ def _rq_worker(
         conclave.free_sequences,
         conclave.held_documents,
         conclave.held_changed,
+        engine.forget,
     )

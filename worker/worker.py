@@ -22,13 +22,14 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline, PubSub, PubSubWorkerThread
 from rq import Queue, SimpleWorker, worker_registration
+from rq.command import parse_payload
 from rq.job import Job
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.timeouts import TimerDeathPenalty
 from rq.utils import current_timestamp, now
 from rq.worker import WorkerStatus
 
-from shared import keys, routing
+from shared import keys, routing, worker_commands
 from shared.codec import JsonSerializer
 from shared.queues import QUEUES, ROUTED, WARM, queue
 from shared.redis_outage import REDIS_DOWN, RedisWaiter, describe
@@ -305,6 +306,7 @@ class ConclaveWorker(GranaryWorker):
         free_sequences: Callable[[], int],
         held_documents: Callable[[], frozenset[str]],
         held_changed: threading.Event,
+        forget: Callable[[], None],
         **kwargs: Any,
     ) -> None:
         name = kwargs.pop("name", None) or uuid.uuid4().hex
@@ -312,6 +314,7 @@ class ConclaveWorker(GranaryWorker):
         self._max_active = settings.max_active_jobs
         self._free_sequences = free_sequences
         self._held_documents = held_documents
+        self._forget = forget
         self._active: dict[str, tuple[threading.Thread, str]] = {}
         self._beats: dict[str, Callable[[], None]] = {}  # per running execution
         self._changed = threading.Condition()
@@ -337,6 +340,17 @@ class ConclaveWorker(GranaryWorker):
                 order.append(queue(self.connection, private))
             order.append(self._shared[name])
         return order
+
+    def handle_payload(self, message: dict[str, Any]) -> None:
+        """rq's commands, and granary's own (shared/worker_commands.py), on rq's pubsub thread."""
+        payload = parse_payload(message)
+        if payload.get("command") != worker_commands.FORGET:
+            super().handle_payload(message)  # type: ignore[no-untyped-call]
+            return
+        self._forget()  # returns once the model thread has
+        self._advertise_now.set()  # memory's documents changed
+        worker_commands.answer(self.connection, payload["reply"], self.name)
+        log.info("worker %s dropped the prefixes its memory held idle", self.name)
 
     @property
     def active_jobs(self) -> int:

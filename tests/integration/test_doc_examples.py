@@ -93,8 +93,8 @@ def test_shell_examples_run_as_pasted(stack_factory: Callable[..., Stack], tmp_p
         if "--wait" in line:
             assert orjson.loads(result.stdout)["status"] == "finished"
         ran += 1
-    # submit twice, curl, two document commands in README; three in FEATURES; five cache commands
-    assert ran >= 13
+    # submit twice, curl, two document commands in README; three in FEATURES; six cache commands
+    assert ran >= 14
 
 
 def test_python_examples_run_as_pasted(stack_factory: Callable[..., Stack]) -> None:

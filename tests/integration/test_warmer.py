@@ -120,15 +120,13 @@ def test_learned_prefixes_are_rewarmed_after_eviction(stack_factory: Callable[..
     ask(stack, INVOICE)
     prefix = ask(stack, INVOICE, prompt="Which line has the most boxes?")["usage"]["cached_tokens"]
     assert prefix > 0  # the second question found the document
-    # Evicted: the cache is emptied, and a fresh worker holds nothing in memory.
-    stack.stop_process("worker-1")
+    # Evicted: the cache is emptied, and the worker holds nothing in memory.
+    stack.forget()
     _clear_cache(stack.settings)
-    stack.start_worker("worker-2")
     stack.start_warmer("--run-now")
     run = wait_for(lambda: finished_runs(stack), "the warm run")[-1]
     assert run["counts"]["finished"] == 1 and run["warmed_tokens"] == prefix, run
-    stack.stop_process("worker-2")  # nothing in memory: only the disk can help
-    stack.start_worker("worker-3")
+    stack.forget()  # nothing in memory: only the disk can help
     assert ask(stack, INVOICE)["usage"]["cached_tokens"] == prefix
 
 
@@ -174,8 +172,7 @@ def test_granary_warm_cli_then_every_decoding_mode_hits(
         command, env=settings_env(stack.settings), capture_output=True, text=True, timeout=300
     )
     assert f"{prefix} tokens, already cached" in again.stdout
-    stack.stop_process("worker-1")  # only the disk holds the document now
-    stack.start_worker("worker-2")
+    stack.forget()  # only the disk holds the document now
     # A different question each time: a repeated one would also restore its own tokens.
     modes = ({}, {"temperature": 0.8, "seed": 3}, {"speculation": "on"})
     for line, extra in enumerate(modes, start=1):

@@ -75,7 +75,10 @@ class ConclaveEngine:
             self.saver.close()
 
     def forget(self) -> None:
-        """Drop what memory holds idle: the next job starts from the disk cache or cold."""
+        """Write pending snapshots and drop what memory holds idle: the next job starts from
+        the disk cache or cold, as after a restart."""
+        if self.saver is not None:
+            self.saver.flush()
         self.conclave.forget()
 
     def generate(
