@@ -15,6 +15,13 @@ from tests.harness import Stack
 DOC = " ".join(f"Invoice {i}: {i * 3 % 17} boxes of tea shipped to Lyon." for i in range(30))
 
 
+@pytest.fixture(scope="module")
+def stack(module_stack_factory: Callable[..., Stack]) -> Stack:
+    """One stack for the module's tests that take `stack`: each reads only its own jobs
+    (counters as differences), so they can share it."""
+    return module_stack_factory()
+
+
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 

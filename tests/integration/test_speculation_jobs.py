@@ -5,9 +5,11 @@ what drafting did (its record, /metrics' counters).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.harness import Stack
 from tests.integration.test_job_path import submit, wait_status
@@ -16,6 +18,15 @@ TEXT = (
     "The quarterly report lists 42 crates of pears shipped from Lyon to Ghent, 17 crates of "
     "apples held in Antwerp, and 9 crates of plums returned to the farm in Valence."
 )
+
+
+@pytest.fixture(scope="module")
+def stack(module_stack_factory: Callable[..., Stack]) -> Stack:
+    """One stack for the module's tests that take `stack`: each reads only its own jobs
+    (counters as differences), so they can share it."""
+    return module_stack_factory()
+
+
 COPY = {"prompt": f"Repeat this exactly:\n{TEXT}\nRepeat:\n", "max_tokens": 24, "temperature": 0}
 
 
