@@ -194,6 +194,14 @@ def _routing_section(redis_url: str, log_dir: Path) -> str:
     return routing.section(settings, log_dir)
 
 
+HEADER = (
+    "# Benchmarks\n\nWritten by `make bench` (`bench/run.py`), or one suite at a time by "
+    "`python -m bench.run --only SUITE --write`: each section says when and on what host it was "
+    "measured, from the code of that day. Timings on shared 2-core machines are noisy and hosts "
+    "differ: compare the ratios, each measured side by side within its section.\n\n"
+)
+
+
 def _kept(name: str, suite: Callable[[], list[str]]) -> list[str]:
     """A suite that fails is reported in the document; it never costs the others' results."""
     try:
@@ -295,43 +303,38 @@ def main() -> None:
         sections = []
         for name, suite in suites.items():
             if args.only in (None, name):
-                sections += _kept(name, suite)
+                measured_on = machine.describe()  # as the suite starts
+                sections += [_stamped(section, measured_on) for section in _kept(name, suite)]
     if args.only and args.write:
         text = _replaced(OUT.read_text(), sections)
     elif args.only:
         print("\n".join(sections))
         return
     else:
-        text = (
-            "# Benchmarks\n\nWritten by `make bench` (`bench/run.py`); every figure below comes "
-            "from that run. Timings on shared 2-core machines are noisy: compare the ratios, which "
-            "are measured side by side in one run.\n\n"
-            + machine.describe()
-            + "\n"
-            + "\n".join(sections)
-        )
+        text = HEADER + "\n".join(sections)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(text)
     print(text)
 
 
+def _stamped(section: str, measured_on: str) -> str:
+    """A section with the date and host it was measured on, under its title."""
+    title, _, body = section.partition("\n")
+    return f"{title}\n\n{measured_on}{body.rstrip()}\n"
+
+
 def _replaced(document: str, sections: list[str]) -> str:
     """`document` with each `## ` section of the same title as one of `sections` replaced by
-    it (or the new one appended), each marked as measured on its own, with its machine."""
-    parts = document.split("\n## ")
-    head, old = parts[0], ["## " + part for part in parts[1:]]
+    it (or the new one appended); the others keep their own dates."""
+    old = ["## " + part for part in document.split("\n## ")[1:]]
     for section in sections:
-        title, _, body = section.partition("\n")
-        marked = (
-            f"{title}\n\nMeasured on its own (`python -m bench.run --only ... --write`), "
-            f"not in the run the top of this file describes:\n\n{machine.describe()}{body}"
-        )
+        title = section.split("\n", 1)[0]
         at = [i for i, part in enumerate(old) if part.split("\n", 1)[0] == title]
         if at:
-            old[at[0]] = marked.rstrip("\n") + "\n"
+            old[at[0]] = section
         else:
-            old.append(marked.rstrip("\n") + "\n")
-    return "\n".join([head.rstrip("\n") + "\n", *old])
+            old.append(section)
+    return HEADER + "\n".join(part.rstrip("\n") + "\n" for part in old)
 
 
 if __name__ == "__main__":
