@@ -174,6 +174,7 @@ def worker_running_a_job(server: RedisProcess) -> Iterator[tuple[ConclaveWorker,
         lambda: 4,
         lambda: frozenset(),
         threading.Event(),
+        lambda: None,  # forget: no model, nothing held
     )
     worker.register_birth()  # type: ignore[no-untyped-call]  # as rq's work loop does first
     queue(client, INTERACTIVE).enqueue(f"{__name__}.hold", retry=Retry(max=1))

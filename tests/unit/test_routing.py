@@ -153,6 +153,7 @@ def conclave_worker(client: redis.Redis, name: str, held: frozenset[str]) -> Con
         free_sequences=lambda: 4,
         held_documents=lambda: held,
         held_changed=threading.Event(),
+        forget=lambda: None,  # no model: nothing held to drop
         name=name,
     )
     worker.register_birth()  # type: ignore[no-untyped-call]  # as rq's work loop does first
