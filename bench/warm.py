@@ -52,8 +52,11 @@ def _spec_dir(root: Path, docs: list[str]) -> Path:
     for i, doc in enumerate(docs):
         (root / "docs" / f"ledger-{i}.txt").write_text(doc, encoding="utf-8")
     (root / "specs").mkdir()
+    # As the requests send them (DOC_FIELDS): a spec warms exactly what its requests read.
     (root / "specs" / "ledgers.toml").write_text(
-        f'instructions = "{INSTRUCTIONS}"\ndocuments = ["../docs/*.txt"]\n', encoding="utf-8"
+        f'instructions = "{INSTRUCTIONS}"\ndocuments = ["../docs/*.txt"]\n'
+        f'document_format = "{DOC_FIELDS["document_format"]}"\n',
+        encoding="utf-8",
     )
     return root / "specs"
 
@@ -135,5 +138,6 @@ whole blocks): **{"yes" if whole else "NO"}**.
 
 Priority: a short interactive job submitted while a warm job was prefilling a document waited
 **{wait_ms:.0f} ms** in the queue; one chunk (256 tokens) of that warm prefill took
-{chunk_ms:.0f} ms on average. The warm job stepped aside at its next chunk end and resumed after.
+{chunk_ms:.0f} ms on average. The warm job reads at the lowest priority, a chunk at a time
+between the other jobs' steps.
 """
