@@ -218,8 +218,9 @@ def _render(settings: Settings, ways: list[Way]) -> str:
 document, {len(QUESTIONS)} short questions, greedy, at most {MAX_TOKENS} answer tokens each.
 Wall time from the first request to the last answer (worker restarts between cold jobs are not
 counted). "Same answers" compares each way's answers with the cold jobs' (answering together
-decodes in batches of 16 tokens, whose float rounding can flip a near-tie; the peer renders its
-chat prompt slightly differently, so it asks a slightly different question). Result: {verdict}.
+decodes every question's row in one pass, each row computed as alone, so they must match; the
+peer renders its chat prompt slightly differently, so it asks a slightly different question).
+Result: {verdict}.
 
 | way | wall s | × extraction's time | same answers as cold jobs |
 |---|---|---|---|

@@ -11,12 +11,14 @@ model whose weights take another kernel): a step of n rows, one per sequence, mu
 row the logits, bit for bit, that the same token decoded alone gets. The answer depends only on
 the build, the CPU's kernels, the model and the check's shape, so a host runs it once for each
 such set and keeps the answer in its data directory (`remembered`): a restarted worker does not
-spend seconds finding it again. Sequences
-hold different numbers of cells. A row whose sequence is short, decoded beside one past the 256
-cells to which llama.cpp pads a step's attention window (`get_n_kv` in llama-kv-cache.cpp),
-reads a longer window than alone. With the default attention kernel that changes nothing, the
-same on every build of the llama.cpp we pin (tests/integration/test_row_check.py checks it), so
-the worker leaves that case out to keep its start short. Flash attention splits a lone row's
+spend seconds finding it again.
+
+Sequences hold different numbers of cells. A row whose sequence is short, decoded beside one
+past the 256 cells to which llama.cpp pads a step's attention window (`get_n_kv` in
+llama-kv-cache.cpp), reads a longer window than alone. With the default attention kernel that
+changes nothing, the same on every build of the llama.cpp we pin
+(tests/integration/test_row_check.py checks it), so the worker leaves that case out to keep
+its start short. Flash attention splits a lone row's
 window among the threads once it reaches 512 cells, and a row beside other sequences never:
 the wheel `make install` builds never splits a decode row (deploy/build-llama-wheel.sh), a
 stock one does, so with flash attention the worker checks that case too (`long_cells`).
