@@ -112,8 +112,8 @@ class Stack:
     def forget(self) -> None:
         """Every worker writes its pending snapshots and drops what its memory holds idle, as
         `granary cache forget` asks: only the disk cache can help the next job."""
-        client = redis.Redis.from_url(self.settings.redis_url)
-        answered, silent = send_to_every_worker(client, FORGET, timeout_s=60)
+        with redis.Redis.from_url(self.settings.redis_url) as client:
+            answered, silent = send_to_every_worker(client, FORGET, timeout_s=60)
         assert answered and not silent, f"workers that did not forget: {silent}"
 
     def start_warmer(self, *args: str, name: str = "warmer") -> subprocess.Popen[bytes]:

@@ -11,7 +11,7 @@ from redis import Redis
 
 from shared.job_store import JobStore
 from shared.prefix_cache import CounterPublisher, PrefixCache, open_cache
-from shared.prefix_cache.fingerprint import configured_fingerprint, cpu_kernels
+from shared.prefix_cache.fingerprint import cache_fingerprint
 from shared.redis_outage import RedisWaiter
 from shared.redis_server import connect
 from shared.result_cache import open_results
@@ -56,8 +56,7 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
         if rows_invariant is not None:
             return rows_invariant
         what_decides = [
-            configured_fingerprint(settings),  # the model file and flash attention
-            cpu_kernels(),
+            cache_fingerprint(settings),  # the model file, flash attention, the CPU's kernels
             build_stamp(),
             f"exact-rows={exact_row_limit()}",
             f"threads={llama.context_params.n_threads}",

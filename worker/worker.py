@@ -347,8 +347,7 @@ class ConclaveWorker(GranaryWorker):
         if payload.get("command") != worker_commands.FORGET:
             super().handle_payload(message)  # type: ignore[no-untyped-call]
             return
-        self._forget()  # returns once the model thread has
-        self._advertise_now.set()  # memory's documents changed
+        self._forget()  # returns once the model thread has (and noted what memory holds)
         worker_commands.answer(self.connection, payload["reply"], self.name)
         log.info("worker %s dropped the prefixes its memory held idle", self.name)
 

@@ -119,6 +119,7 @@ def remembered(record: Path, key: str, check: Callable[[], bool]) -> bool:
         log.info("row check: batched rows %s lone rows (%s)", _equal(answer), record)
         return answer
     answer = check()
+    # Read again: another worker of this host may have kept an answer while this one checked.
     write_json(record, {**read_json(record), key: answer})
     return answer
 
