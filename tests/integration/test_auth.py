@@ -17,9 +17,11 @@ DOC = " ".join(f"Invoice {i}: {i * 3 % 17} boxes of tea shipped to Lyon." for i 
 
 @pytest.fixture(scope="module")
 def stack(module_stack_factory: Callable[..., Stack]) -> Stack:
-    """One stack for the module's tests that take `stack`: each reads only its own jobs
-    (counters as differences), so they can share it."""
-    return module_stack_factory()
+    """One stack, two keys and a cache namespace per key, for the module's tests that take
+    `stack`: each sends its own prompts and reads only its own jobs, so they can share it."""
+    return module_stack_factory(
+        api_keys=["k1", "k2"], cache={"per_key": True, "block_tokens": 64, "min_tokens": 16}
+    )
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -42,12 +44,12 @@ def wait(stack: Stack, key: str, job_id: str) -> dict[str, Any]:
     return job
 
 
-def test_without_keys_everything_is_open(stack: Stack) -> None:
+def test_without_keys_everything_is_open(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory(workers=0)
     assert httpx.get(f"{stack.url}/v1/models").status_code == 200
 
 
-def test_every_v1_route_needs_a_valid_key(stack_factory: Callable[..., Stack]) -> None:
-    stack = stack_factory(workers=0, api_keys=["k1", "k2"])
+def test_every_v1_route_needs_a_valid_key(stack: Stack) -> None:
     routes = [
         ("POST", "/v1/jobs"),
         ("GET", "/v1/jobs/x"),
@@ -78,8 +80,7 @@ def test_every_v1_route_needs_a_valid_key(stack_factory: Callable[..., Stack]) -
         OpenAI(base_url=f"{stack.url}/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_a_key_sees_and_cancels_only_its_own_jobs(stack_factory: Callable[..., Stack]) -> None:
-    stack = stack_factory(api_keys=["k1", "k2"])
+def test_a_key_sees_and_cancels_only_its_own_jobs(stack: Stack) -> None:
     job = submit(stack, "k1", {"prompt": "Hello", "max_tokens": 3, "temperature": 0})
     for method, path in [("GET", ""), ("GET", "/events"), ("DELETE", "")]:
         url = f"{stack.url}/v1/jobs/{job['id']}{path}"
@@ -96,10 +97,7 @@ def test_a_key_sees_and_cancels_only_its_own_jobs(stack_factory: Callable[..., S
     assert a.json()["id"] != b.json()["id"]
 
 
-def test_per_key_cache_namespace(stack_factory: Callable[..., Stack]) -> None:
-    stack = stack_factory(
-        api_keys=["k1", "k2"], cache={"per_key": True, "block_tokens": 64, "min_tokens": 16}
-    )
+def test_per_key_cache_namespace(stack: Stack) -> None:
     body = {"prompt": DOC + "\nTotal boxes:", "max_tokens": 4, "temperature": 0}
     first = wait(stack, "k1", submit(stack, "k1", body)["id"])
     other = wait(stack, "k2", submit(stack, "k2", body)["id"])
@@ -110,12 +108,7 @@ def test_per_key_cache_namespace(stack_factory: Callable[..., Stack]) -> None:
     assert first["result"] == other["result"] == again["result"]
 
 
-def test_a_key_warms_into_its_own_namespace_and_sees_only_its_runs(
-    stack_factory: Callable[..., Stack],
-) -> None:
-    stack = stack_factory(
-        api_keys=["k1", "k2"], cache={"per_key": True, "block_tokens": 64, "min_tokens": 16}
-    )
+def test_a_key_warms_into_its_own_namespace_and_sees_only_its_runs(stack: Stack) -> None:
     body = {"document": DOC, "instructions": "Be brief."}
     run = httpx.post(f"{stack.url}/v1/warm", json=body, headers=bearer("k1")).json()
     assert wait(stack, "k1", run["jobs"][0]["id"])["status"] == "finished"
@@ -130,8 +123,7 @@ def test_a_key_warms_into_its_own_namespace_and_sees_only_its_runs(
     assert theirs["usage"]["cached_tokens"] == 0
 
 
-def test_the_key_is_checked_before_the_body_is_read(stack_factory: Callable[..., Stack]) -> None:
-    stack = stack_factory(workers=0, api_keys=["k1"])
+def test_the_key_is_checked_before_the_body_is_read(stack: Stack) -> None:
     url = f"{stack.url}/v1/jobs"
     headers = {"Content-Type": "application/json"}
     assert httpx.post(url, content=b"{not json", headers=headers).status_code == 401
@@ -143,18 +135,18 @@ def test_the_key_is_checked_before_the_body_is_read(stack_factory: Callable[...,
     )
 
 
-def test_docs_need_a_key_unless_opened(stack_factory: Callable[..., Stack]) -> None:
-    closed = stack_factory(workers=0, api_keys=["k1"])
+def test_docs_need_a_key_unless_opened(stack: Stack, stack_factory: Callable[..., Stack]) -> None:
     for path in ("/docs", "/openapi.json", "/redoc"):
-        assert httpx.get(f"{closed.url}{path}").status_code == 401, path
-        assert httpx.get(f"{closed.url}{path}", headers=bearer("k1")).status_code == 200, path
+        assert httpx.get(f"{stack.url}{path}").status_code == 401, path
+        assert httpx.get(f"{stack.url}{path}", headers=bearer("k1")).status_code == 200, path
     opened = stack_factory(workers=0, api_keys=["k1"], api={"open_docs": True})
     assert httpx.get(f"{opened.url}/openapi.json").status_code == 200
     assert httpx.get(f"{opened.url}/v1/models").status_code == 401
 
 
 def test_cache_report_shows_no_paths(stack: Stack) -> None:
-    report = httpx.get(f"{stack.url}/v1/cache").json()
+    response = httpx.get(f"{stack.url}/v1/cache", headers=bearer("k1"))
+    report = response.json()
     assert "dir" not in report
-    assert str(stack.settings.cache_dir) not in httpx.get(f"{stack.url}/v1/cache").text
+    assert str(stack.settings.cache_dir) not in response.text
     assert report["enabled"] is True

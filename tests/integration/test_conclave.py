@@ -138,12 +138,12 @@ def test_a_short_prompt_is_not_stuck_behind_a_long_prefill(
 ) -> None:
     # Small chunks: the long prompt takes many turns of the loop to read.
     stack = stack_factory(cache={"enabled": False, "block_tokens": 32})
-    long_prompt = "The inventory lists crates, barrels and sacks of grain. " * 70
+    long_prompt = "The inventory lists crates, barrels and sacks of grain. " * 32
     long = submit(stack, {"prompt": long_prompt, "temperature": 0, "max_tokens": 1})
     wait_status(stack, long["id"], {"started", "finished"})
     short = submit(stack, {"prompt": "Hello", "temperature": 0, "max_tokens": 1})
     long_view, short_view = finish_all(stack, [long, short])
-    assert long_view["usage"]["prompt_tokens"] > 700
+    assert long_view["usage"]["prompt_tokens"] > 10 * 32  # ten turns or more
     assert short_view["finished_at"] < long_view["finished_at"]
 
 

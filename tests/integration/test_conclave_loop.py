@@ -54,6 +54,13 @@ def replaying_engine() -> Iterator[ConclaveEngine]:
     built.close()
 
 
+@pytest.fixture(scope="module")
+def lone_outputs(engine: ConclaveEngine) -> list[list[int]]:
+    """Each chat decoded alone: one row per pass, the same arithmetic whichever way an engine
+    takes batched rows, so both tests compare with these."""
+    return [run(engine, [p])[0][0] for p in chat_prompts(engine)]
+
+
 def chat_prompts(engine: ConclaveEngine) -> list[list[int]]:
     llama = engine.llama
     return [
@@ -85,23 +92,19 @@ def ended(handle: StreamHandle) -> Ended:
 
 
 def test_the_wheel_make_install_builds_decodes_rows_together_as_alone_without_replays(
-    engine: ConclaveEngine,
+    engine: ConclaveEngine, lone_outputs: list[list[int]]
 ) -> None:
     assert engine.conclave.rows_invariant, "the row check found batched rows differing"
-    prompts = chat_prompts(engine)
-    together = run(engine, prompts)
-    lone = [run(engine, [p])[0] for p in prompts]
-    assert [out for out, _ in together] == [out for out, _ in lone]
+    together = run(engine, chat_prompts(engine))
+    assert [out for out, _ in together] == lone_outputs
     assert all(ended.replays == 0 and not ended.drifted for _, ended in together)
 
 
 def test_near_ties_replay_at_most_once_where_rows_differ(
-    replaying_engine: ConclaveEngine,
+    replaying_engine: ConclaveEngine, lone_outputs: list[list[int]]
 ) -> None:
-    prompts = chat_prompts(replaying_engine)
-    together = run(replaying_engine, prompts)
-    lone = [run(replaying_engine, [p])[0] for p in prompts]
-    assert [out for out, _ in together] == [out for out, _ in lone]
+    together = run(replaying_engine, chat_prompts(replaying_engine))
+    assert [out for out, _ in together] == lone_outputs
     replays = [ended.replays for _, ended in together]
     # A stream that met a near tie is decoded alone from then on: it never replays again.
     assert max(replays) <= 1

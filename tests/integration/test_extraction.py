@@ -31,6 +31,13 @@ QUESTIONS = [
 CACHE = {"block_tokens": 64, "min_tokens": 16}
 
 
+@pytest.fixture(scope="module")
+def shared(module_stack_factory: Callable[..., Stack]) -> Stack:
+    """One stack for the tests that only send extractions and batches and read their own
+    results (a test that needs a document no one has read brings its own instructions)."""
+    return module_stack_factory(cache=CACHE)
+
+
 def extraction(stack: Stack, questions: list[str], **extra: Any) -> dict[str, Any]:
     body = {
         "document": INVOICE,
@@ -146,14 +153,17 @@ def test_questions_beyond_the_context_run_in_waves(stack_factory: Callable[..., 
         assert answer == wait_status(stack, single["id"], {"finished"}, 300)["result"]["text"]
 
 
-def test_sixteen_questions_and_fields(stack_factory: Callable[..., Stack]) -> None:
-    stack = stack_factory(cache=CACHE)
+def test_sixteen_questions_and_fields(shared: Stack) -> None:
+    stack = shared
+    # Instructions of its own: the system message comes first, so nothing here was read before.
+    instructions = "Read the invoice, then answer in a few words."
     questions = [f"How many boxes are on line {i}?" for i in range(16)]
-    final = wait_status(stack, extraction(stack, questions, max_tokens=6)["id"], {"finished"}, 300)
+    job = extraction(stack, questions, max_tokens=6, instructions=instructions)
+    final = wait_status(stack, job["id"], {"finished"}, 300)
     assert len(final["extraction"]["answers"]) == 16
     assert final["usage"]["cached_tokens"] == 0
     fields = {"product_line_3": "the product on line 3", "shop_line_3": "the shop of line 3"}
-    body = {"document": INVOICE, "instructions": INSTRUCTIONS, "fields": fields, "max_tokens": 6}
+    body = {"document": INVOICE, "instructions": instructions, "fields": fields, "max_tokens": 6}
     job = httpx.post(f"{stack.url}/v1/extractions", json=body).json()
     final = wait_status(stack, job["id"], {"finished"}, 300)
     assert set(final["extraction"]["object"]) == set(fields)
@@ -198,8 +208,8 @@ def batch_items(n: int) -> list[dict[str, Any]]:
     ]
 
 
-def test_a_batch_counts_results_and_isolates_failures(stack_factory: Callable[..., Stack]) -> None:
-    stack = stack_factory(cache=CACHE, n_ctx=1024)
+def test_a_batch_counts_results_and_isolates_failures(shared: Stack) -> None:
+    stack = shared
     items = batch_items(3)
     items.insert(1, {**items[0], "custom_id": "too-long", "document": INVOICE * 6})
     batch = httpx.post(f"{stack.url}/v1/batches", json={"items": items}).json()
@@ -227,8 +237,8 @@ def test_a_batch_counts_results_and_isolates_failures(stack_factory: Callable[..
     assert sum(r["usage"]["cached_tokens"] > 0 for r in results if r["status"] == "finished") >= 2
 
 
-def test_cancelling_a_batch_keeps_finished_items(stack_factory: Callable[..., Stack]) -> None:
-    stack = stack_factory(cache=CACHE)
+def test_cancelling_a_batch_keeps_finished_items(shared: Stack) -> None:
+    stack = shared
     batch = httpx.post(f"{stack.url}/v1/batches", json={"items": batch_items(12)}).json()
     url = f"{stack.url}/v1/batches/{batch['id']}"
     deadline = time.monotonic() + 300
@@ -249,8 +259,8 @@ def test_cancelling_a_batch_keeps_finished_items(stack_factory: Callable[..., St
     assert httpx.get(f"{stack.url}/v1/batches/nope").status_code == 404
 
 
-def test_extract_and_batch_commands(stack_factory: Callable[..., Stack], tmp_path: Path) -> None:
-    stack = stack_factory(cache=CACHE)
+def test_extract_and_batch_commands(shared: Stack, tmp_path: Path) -> None:
+    stack = shared
     env = settings_env(stack.settings)
     doc = tmp_path / "invoice.txt"
     doc.write_text(INVOICE, encoding="utf-8")
