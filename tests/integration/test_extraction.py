@@ -32,9 +32,10 @@ CACHE = {"block_tokens": 64, "min_tokens": 16}
 
 
 @pytest.fixture(scope="module")
-def shared(module_stack_factory: Callable[..., Stack]) -> Stack:
-    """One stack for the tests that only send extractions and batches and read their own
-    results (a test that needs a document no one has read brings its own instructions)."""
+def stack(module_stack_factory: Callable[..., Stack]) -> Stack:
+    """One stack for the module's tests that take `stack`: they only send extractions and
+    batches and read their own results (a test that needs a document no one has read brings
+    its own instructions)."""
     return module_stack_factory(cache=CACHE)
 
 
@@ -109,7 +110,10 @@ def test_answers_equal_one_question_jobs_and_stream_tagged(
         assert answers[f"q{i}"]["text"] == alone(stack, question), question
 
 
-def test_killed_worker_extraction_carries_on_from_its_stream(stack: Stack) -> None:
+def test_killed_worker_extraction_carries_on_from_its_stream(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    stack = stack_factory()
     questions = ["Copy the whole invoice, line by line.", "Which product is on line 5?"]
     job = extraction(stack, questions, max_tokens=120, temperature=0)
     first_tokens(stack, job["id"], 8)
@@ -153,8 +157,7 @@ def test_questions_beyond_the_context_run_in_waves(stack_factory: Callable[..., 
         assert answer == wait_status(stack, single["id"], {"finished"}, 300)["result"]["text"]
 
 
-def test_sixteen_questions_and_fields(shared: Stack) -> None:
-    stack = shared
+def test_sixteen_questions_and_fields(stack: Stack) -> None:
     # Instructions of its own: the system message comes first, so nothing here was read before.
     instructions = "Read the invoice, then answer in a few words."
     questions = [f"How many boxes are on line {i}?" for i in range(16)]
@@ -208,8 +211,7 @@ def batch_items(n: int) -> list[dict[str, Any]]:
     ]
 
 
-def test_a_batch_counts_results_and_isolates_failures(shared: Stack) -> None:
-    stack = shared
+def test_a_batch_counts_results_and_isolates_failures(stack: Stack) -> None:
     items = batch_items(3)
     items.insert(1, {**items[0], "custom_id": "too-long", "document": INVOICE * 6})
     batch = httpx.post(f"{stack.url}/v1/batches", json={"items": items}).json()
@@ -237,8 +239,7 @@ def test_a_batch_counts_results_and_isolates_failures(shared: Stack) -> None:
     assert sum(r["usage"]["cached_tokens"] > 0 for r in results if r["status"] == "finished") >= 2
 
 
-def test_cancelling_a_batch_keeps_finished_items(shared: Stack) -> None:
-    stack = shared
+def test_cancelling_a_batch_keeps_finished_items(stack: Stack) -> None:
     batch = httpx.post(f"{stack.url}/v1/batches", json={"items": batch_items(12)}).json()
     url = f"{stack.url}/v1/batches/{batch['id']}"
     deadline = time.monotonic() + 300
@@ -259,8 +260,7 @@ def test_cancelling_a_batch_keeps_finished_items(shared: Stack) -> None:
     assert httpx.get(f"{stack.url}/v1/batches/nope").status_code == 404
 
 
-def test_extract_and_batch_commands(shared: Stack, tmp_path: Path) -> None:
-    stack = shared
+def test_extract_and_batch_commands(stack: Stack, tmp_path: Path) -> None:
     env = settings_env(stack.settings)
     doc = tmp_path / "invoice.txt"
     doc.write_text(INVOICE, encoding="utf-8")
