@@ -15,6 +15,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from bench import (
+    attention_rows,
     batch_rows,
     chat_document,
     chunk_shape,
@@ -161,6 +162,12 @@ def _prompt_kernels_section(redis_url: str) -> str:
     return prompt_kernels.section([_settings(redis_url, m, n_threads=2) for m in models])
 
 
+def _attention_rows_section(redis_url: str) -> str:
+    return attention_rows.section(
+        _settings(redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, n_threads=2)
+    )
+
+
 def _chunk_shape_section(redis_url: str) -> str:
     models = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
     return chunk_shape.section([_settings(redis_url, m) for m in models])
@@ -227,6 +234,7 @@ def main() -> None:
             "batch_rows",
             "chunk_shape",
             "prompt_kernels",
+            "attention_rows",
             "conclave",
             "conclave_sweep",
             "cold_prefill",
@@ -287,6 +295,7 @@ def main() -> None:
             ],
             "chunk_shape": lambda: [_chunk_shape_section(redis_url)],
             "prompt_kernels": lambda: [_prompt_kernels_section(redis_url)],
+            "attention_rows": lambda: [_attention_rows_section(redis_url)],
             "conclave": lambda: [
                 _conclave_section(redis_url, log_dir, args.peer_server, args.stock_site, args.quick)
             ],

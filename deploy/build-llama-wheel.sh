@@ -78,6 +78,16 @@ bool llamafile_sgemm("
   # steps never split, so a row's sums run in one order whatever is decoded beside it.
   edit "$cpu/ops.cpp" 'const bool use_split_kv_path = !use_ref &&' \
     "const bool use_split_kv_path = $rows == 0 && !use_ref &&"
+  # Flash attention tiles a pass's query rows only from 64 (GGML_FA_TILE_Q); below, it walks
+  # every cached cell one row at a time, with an exp and an fp16 multiply-add per cell: after a
+  # 3,000-token document a 32-token prompt chunk cost 1.5 s, 5.3 times its cost without flash
+  # attention, and 2.6 times a 64-token chunk's. A prompt chunk (the switch at 0) tiles from 8
+  # rows (tiled, 32 rows took 0.41 s; 12 rows 0.33 s instead of 0.60; 4 rows were slower tiled);
+  # its values depend on the chunk alone, as with every other kernel here. Decode steps keep
+  # the per-row walk: each row as alone (docs/BENCHMARKS.md, "Flash attention by the rows of
+  # a pass").
+  edit "$cpu/ops.cpp" '                                neq1 >= Q_TILE_SZ);' \
+    "                                (neq1 >= Q_TILE_SZ || ($rows == 0 && neq1 >= 8)));"
   edit "$cpu/repack.cpp" '        if (nrows > 3) {' "        if (nrows > 3 && nrows >= $rows) {"
   edit "$cpu/repack.cpp" 'for (int iter = nrows - (nrows % 4); iter < nrows' \
     "for (int iter = nrows >= $rows ? nrows - (nrows % 4) : 0; iter < nrows"

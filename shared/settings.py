@@ -176,6 +176,8 @@ class Settings(BaseSettings):
     # llama.cpp's flash-attention kernel (what llama-server's `-fa auto` picks on a CPU): faster
     # prefill, the more so the longer the prompt (docs/BENCHMARKS.md, "Cold prefill beside
     # llama-server": a cold ~3,600-token prompt 0.99x the peer's time with it, 1.23x without).
+    # Its price: decode steps and short prompt chunks past a long context cost more with it
+    # (docs/BENCHMARKS.md, "Flash attention by the rows of a pass").
     # Exact in the Conclave with the wheel `make install` builds, which never splits a decode
     # row's cells among threads (its start-up row check says so). Cells computed with and
     # without it differ in rounding and layout, so it is part of the cache fingerprint:

@@ -15,8 +15,10 @@ on Qwen2.5 and up to 1.6 times for longer tails (docs/BENCHMARKS.md, "A prompt c
 kernels"). Only the thread that decodes switches it,
 between passes, so no pass ever sees it change.
 
+Flash attention goes one step further at 0: it tiles a chunk's rows from 8 instead of the
+sdist's 64 (deploy/build-llama-wheel.sh), as the chunk's values need not equal lone rows'.
 A wheel without the switch (stock, or a build of its own) has nothing to set: its prompt chunks
-already take the sdist's thresholds, the same kernels as here.
+already take the sdist's thresholds.
 """
 
 from __future__ import annotations

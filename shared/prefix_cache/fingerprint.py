@@ -31,6 +31,9 @@ KV_CACHE_TYPE = "f16"
 # States granary cached before, when a chunk under 32 tokens was read one row at a time, hold
 # other values, so they are not read.
 PROMPT_KERNELS = "prompt-chunks=sdist-thresholds"
+# With flash attention, a prompt chunk of 8 to 63 rows is tiled (deploy/build-llama-wheel.sh);
+# states cached when such chunks walked their cells one row at a time hold other values.
+FLASH_ATTN = "flash-attn=chunks-tiled-from-8"
 _CHUNK_BYTES = 8 * 1024 * 1024
 
 
@@ -58,7 +61,7 @@ def model_fingerprint(path: Path, sidecar_dir: Path, *, flash_attn: bool) -> str
         PROMPT_KERNELS,
     ]
     if flash_attn:  # off adds nothing: states cached before the setting keep their fingerprint
-        parts.append("flash-attn")
+        parts.append(FLASH_ATTN)
     return hashlib.blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
 
 

@@ -15,6 +15,7 @@ from shared.submission import work_order_for
 from tests.conftest import DATA_DIR
 from worker.conclave.engine import ConclaveEngine
 from worker.conclave.streams import Ended, Started, StreamHandle, StreamRequest, Token
+from worker.kernels import prompt_chunk_kernels
 from worker.main import build_conclave
 from worker.model import memory_is_truncatable
 from worker.outcomes import Generation
@@ -98,7 +99,10 @@ def test_chat_template_rendering_matches_llama_cpp(pair: Pair) -> None:
     order = work_order_for(engine.llama, request, n_ctx=engine.n_ctx, default_max_tokens=16)
     ours = engine.generate(order, lambda _i, _t: False).result.text
     pair.raw.reset()
-    reference = pair.raw.create_chat_completion(messages, max_tokens=12, temperature=0)
+    # The kernels granary reads prompt chunks with; its decode steps, lone rows of a short
+    # context, take the same path either way.
+    with prompt_chunk_kernels():
+        reference = pair.raw.create_chat_completion(messages, max_tokens=12, temperature=0)
     assert ours == reference["choices"][0]["message"]["content"]  # type: ignore[index]
     assert prompt.text.endswith("assistant\n")
 
