@@ -13,12 +13,12 @@ take the sdist's kernels (`worker/kernels.py`); a lone row the exact ones, as gr
 from __future__ import annotations
 
 import statistics
-import time
 from contextlib import AbstractContextManager, nullcontext
 
 import llama_cpp
 from llama_cpp import Llama
 
+from bench.prompt_kernels import tail_ms
 from shared.llm import load_llama
 from shared.settings import Settings
 from worker.decode_batch import fill_batch, llama_batch
@@ -34,18 +34,10 @@ TEXT = " ".join(
 
 
 def _pass_ms(llama: Llama, tokens: list[int], context: int, n: int) -> float:
-    mem = llama_cpp.llama_get_memory(llama.ctx)
-    rows = [(tokens[context + i], context + i, 0) for i in range(n)]
+    """A prompt chunk of n > 1 rows with the kernels granary reads prompts with; a lone row
+    (a decode step) with the exact ones."""
     kernels: AbstractContextManager[None] = prompt_chunk_kernels() if n > 1 else nullcontext()
-    with llama_batch(n) as batch:
-        fill_batch(batch, rows, logits=False)
-        with kernels:
-            started = time.perf_counter()
-            if llama_cpp.llama_decode(llama.ctx, batch) != 0:
-                raise RuntimeError("llama_decode failed")
-            elapsed = time.perf_counter() - started
-    llama_cpp.llama_memory_seq_rm(mem, 0, context, -1)
-    return elapsed * 1000
+    return tail_ms(llama, tokens, context, n, kernels)
 
 
 def _read(llama: Llama, tokens: list[int], end: int) -> None:

@@ -31,11 +31,17 @@ TEXT = " ".join(
 )
 
 
-def _tail_ms(
-    llama: Llama, tokens: list[int], n: int, kernels: AbstractContextManager[None]
+def tail_ms(
+    llama: Llama,
+    tokens: list[int],
+    context: int,
+    n: int,
+    kernels: AbstractContextManager[None],
 ) -> float:
+    """One pass of `tokens[context:context + n]` after the first `context` tokens (no logits,
+    as granary prefills), timed; the pass's cells are removed again."""
     mem = llama_cpp.llama_get_memory(llama.ctx)
-    tail = [(tokens[PREFIX_TOKENS + i], PREFIX_TOKENS + i, 0) for i in range(n)]
+    tail = [(tokens[context + i], context + i, 0) for i in range(n)]
     with llama_batch(max(n, 1)) as batch:
         fill_batch(batch, tail, logits=False)
         with kernels:
@@ -43,7 +49,7 @@ def _tail_ms(
             if llama_cpp.llama_decode(llama.ctx, batch) != 0:
                 raise RuntimeError("llama_decode failed")
             elapsed = time.perf_counter() - started
-    llama_cpp.llama_memory_seq_rm(mem, 0, PREFIX_TOKENS, -1)
+    llama_cpp.llama_memory_seq_rm(mem, 0, context, -1)
     return elapsed * 1000
 
 
@@ -58,8 +64,8 @@ def _rows(settings: Settings) -> list[str]:
             exact: list[float] = []
             prompt: list[float] = []
             for _ in range(REPEATS):
-                exact.append(_tail_ms(llama, tokens, n, nullcontext()))
-                prompt.append(_tail_ms(llama, tokens, n, prompt_chunk_kernels()))
+                exact.append(tail_ms(llama, tokens, PREFIX_TOKENS, n, nullcontext()))
+                prompt.append(tail_ms(llama, tokens, PREFIX_TOKENS, n, prompt_chunk_kernels()))
             e, p = statistics.median(exact), statistics.median(prompt)
             rows.append(
                 f"| {settings.model} | {n} | {e:.1f} | {p:.1f} | {p / e:.2f}× | "
