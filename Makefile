@@ -8,11 +8,12 @@ BIN := $(VENV)/bin
 # row-count thresholds moved, see there) once per CPU, Python and build rule, outside git.
 LLAMA_VERSION := 0.3.36
 LLAMA_BUILD := deploy/build-llama-wheel.sh
+LLAMA_BUILD_FILES := $(LLAMA_BUILD) deploy/llama-flash-attn-tiles.patch
 ARCH := $(shell uname -m)
 CPU_ID := $(shell (grep -m1 -E '^(flags|Features)' /proc/cpuinfo; $(PYTHON) -V) | sha1sum | cut -c1-10)
 WHEEL_DIR ?= $(HOME)/.cache/granary/wheels/$(ARCH)-$(CPU_ID)
-LLAMA_WHEELS := $(WHEEL_DIR)/granary-$(shell sha1sum $(LLAMA_BUILD) | cut -c1-10)
-INSTALL_ID := $(shell cat pyproject.toml $(LLAMA_BUILD) | sha1sum | cut -c1-10)
+LLAMA_WHEELS := $(WHEEL_DIR)/granary-$(shell cat $(LLAMA_BUILD_FILES) | sha1sum | cut -c1-10)
+INSTALL_ID := $(shell cat pyproject.toml $(LLAMA_BUILD_FILES) | sha1sum | cut -c1-10)
 # Each command installs what it needs: `run` the default model only, `test` the test models
 # and tools, `bench` what the peers need too.
 STAMP := $(VENV)/.installed-$(INSTALL_ID)
@@ -96,7 +97,7 @@ peer-server: $(STAMP)
 	  mkdir -p $(PEER_DIR)/bin && cp $(PEER_DIR)/build/bin/llama-server $(PEER_SERVER) && \
 	  rm -rf $(PEER_DIR)/src $(PEER_DIR)/build; }
 
-$(STAMP): pyproject.toml $(LLAMA_BUILD)
+$(STAMP): pyproject.toml $(LLAMA_BUILD_FILES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip wheel
 	$(MAKE) wheel

@@ -1,8 +1,9 @@
 """Flash attention by the rows of a pass, after a long context: where it pays and where it costs.
 
 `flash_attn` is a context setting (the KV cache's layout follows it), so one worker reads every
-pass one way. llama.cpp's CPU flash attention tiles only passes of many rows; a pass of fewer
-rows walks every cached cell one query row at a time. Here, after a context of C tokens, a pass
+pass one way. llama.cpp's CPU flash attention tiles only passes of many rows (a pass of fewer
+rows walks every cached cell one query row at a time); the wheel `make install` builds tiles
+every pass. Here, after a context of C tokens, a pass
 of n rows of one sequence is decoded without logits, as granary reads a prompt chunk (a
 question's tail after a restored document: a few rows; a canonical chunk: 256), with flash
 attention on and off, in two contexts of one process, alternating; medians of 5. One row is a
@@ -90,7 +91,8 @@ in one process, medians of 5; `bench/attention_rows.py`). One row: a decode step
 document (exact kernels); 4-32 rows: a question's tail after a restored document; 256: a
 canonical prefill chunk (both with the sdist's kernels, as granary reads prompt chunks).
 llama.cpp's CPU flash attention tiles a pass's rows from 64 and walks every cached cell one
-query row at a time below that; the wheel `make install` builds tiles prompt chunks from 8 rows.
+query row at a time below that; the wheel `make install` builds tiles every pass, the query rows
+of every head reading one K/V head in one tile (deploy/llama-flash-attn-tiles.patch).
 
 | model | context tokens | rows | flash attention on ms | off ms | on / off |
 |---|---|---|---|---|---|

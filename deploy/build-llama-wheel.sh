@@ -9,9 +9,9 @@
 # depends on the number of rows in a batch (llamafile's sgemm from 2 rows, except for the
 # types where its arithmetic is vec_dot's; repacked weights' gemm and its 4-row interleaved
 # quantisation of the activations from 4; the tiled K-quant path from 8; ARM's two-row mmla
-# dot from 2) start at ROWS rows instead, and flash attention
-# never splits a decode row's cells among threads. A decode step of fewer rows then computes
-# each row as a lone decode does, bit for bit, so the Conclave batches jobs without near-tie
+# dot from 2) start at ROWS rows instead, flash attention never splits a decode row's cells
+# among threads and tiles every pass (deploy/llama-flash-attn-tiles.patch). A decode step of
+# fewer rows then computes each row as a lone decode does, bit for bit, so the Conclave batches jobs without near-tie
 # replays (worker/conclave/row_check.py checks it at start-up); prefill chunks, hundreds of
 # rows, keep the fast kernels. For bench/batch_rows.py only: `stock` builds
 # the sdist unchanged, `batch-invariant` without llamafile's sgemm.
@@ -78,16 +78,16 @@ bool llamafile_sgemm("
   # steps never split, so a row's sums run in one order whatever is decoded beside it.
   edit "$cpu/ops.cpp" 'const bool use_split_kv_path = !use_ref &&' \
     "const bool use_split_kv_path = $rows == 0 && !use_ref &&"
-  # Flash attention tiles a pass's query rows only from 64 (GGML_FA_TILE_Q); below, it walks
-  # every cached cell one row at a time, with an exp and an fp16 multiply-add per cell: after a
-  # 3,000-token document a 32-token prompt chunk cost 1.5 s, 5.3 times its cost without flash
-  # attention, and 2.6 times a 64-token chunk's. A prompt chunk (the switch at 0) tiles from 8
-  # rows (tiled, 32 rows took 0.41 s; 12 rows 0.33 s instead of 0.60; 4 rows were slower tiled);
-  # its values depend on the chunk alone, as with every other kernel here. Decode steps keep
-  # the per-row walk: each row as alone (docs/BENCHMARKS.md, "Flash attention by the rows of
-  # a pass").
-  edit "$cpu/ops.cpp" '                                neq1 >= Q_TILE_SZ);' \
-    "                                (neq1 >= Q_TILE_SZ || ($rows == 0 && neq1 >= 8)));"
+  # Flash attention (deploy/llama-flash-attn-tiles.patch) takes its tiled path for every pass,
+  # not from 64 query rows: below, the sdist walks every cached cell one row at a time, with an
+  # exp and an fp16 multiply-add per cell (after a 3,000-token document a decode step cost 2.1
+  # times its cost without flash attention, a 32-token chunk 5.3 times). A tile computes only
+  # its rows (the sdist: always 64) and holds the query rows of every head that reads one K/V
+  # head, so a decode step converts each K/V tile once for the whole group. Each output is
+  # summed per row in one order whatever the tile's rows, so a decode row reads the same alone,
+  # beside other rows or inside a prompt chunk (docs/BENCHMARKS.md, "Flash attention by the
+  # rows of a pass").
+  patch -p1 -s -d "$src/vendor/llama.cpp" <"$(dirname "$0")/llama-flash-attn-tiles.patch"
   edit "$cpu/repack.cpp" '        if (nrows > 3) {' "        if (nrows > 3 && nrows >= $rows) {"
   edit "$cpu/repack.cpp" 'for (int iter = nrows - (nrows % 4); iter < nrows' \
     "for (int iter = nrows >= $rows ? nrows - (nrows % 4) : 0; iter < nrows"

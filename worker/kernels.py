@@ -15,9 +15,8 @@ on Qwen2.5 and up to 1.6 times for longer tails (docs/BENCHMARKS.md, "A prompt c
 kernels"). Only the thread that decodes switches it,
 between passes, so no pass ever sees it change.
 
-Flash attention goes one step further at 0: it tiles a chunk's rows from 8 instead of the
-sdist's 64 (deploy/build-llama-wheel.sh), as the chunk's values need not equal lone rows'.
-A wheel without the switch (stock, or a build of its own) has nothing to set: its prompt chunks
+Flash attention needs no switch: the wheel tiles every pass, and a row's values do not depend
+on the tile (deploy/llama-flash-attn-tiles.patch). A wheel without the switch (stock, or a build of its own) has nothing to set: its prompt chunks
 already take the sdist's thresholds.
 """
 

@@ -31,9 +31,9 @@ KV_CACHE_TYPE = "f16"
 # States granary cached before, when a chunk under 32 tokens was read one row at a time, hold
 # other values, so they are not read.
 PROMPT_KERNELS = "prompt-chunks=sdist-thresholds"
-# With flash attention, a prompt chunk of 8 to 63 rows is tiled (deploy/build-llama-wheel.sh);
-# states cached when such chunks walked their cells one row at a time hold other values.
-FLASH_ATTN = "flash-attn=chunks-tiled-from-8"
+# With flash attention every pass is tiled, a K/V head's query rows in one tile
+# (deploy/llama-flash-attn-tiles.patch); states cached before hold other values.
+FLASH_ATTN = "flash-attn=tiled-every-pass"
 _CHUNK_BYTES = 8 * 1024 * 1024
 
 
