@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -10,7 +12,9 @@ import redis
 from shared import keys
 from shared.errors import JobNotFound
 from shared.job_store import JobStore
+from shared.redis_outage import RedisWaiter
 from shared.schemas import JobResult, JobStatus, RenderedPrompt, TokenEvent, WorkOrder
+from worker.token_publisher import TokenPublisher
 
 ORDER = WorkOrder(
     prompt=RenderedPrompt(text="hi", add_bos=True),
@@ -101,3 +105,22 @@ def test_a_job_whose_record_went_while_it_ran_stops_its_worker_and_reads_as_gone
         with pytest.raises(JobNotFound):
             store.get(job_id)
     assert store.get_many(["j", "k"]) == [None, None]
+
+
+def test_a_publishers_end_publishes_at_once_without_waiting_out_its_interval(
+    store: JobStore, client: redis.Redis
+) -> None:
+    """Events within the interval of a publish wait for the next one; the end does not."""
+    store.create("j", "interactive", ORDER)
+    store.start("j")
+    waiter = RedisWaiter(client, logging.getLogger(__name__))
+    publisher = TokenPublisher(store, "j", interval_s=30.0, waiter=waiter)
+    with publisher:
+        publisher.token(1, "a")
+        while not store.events("j"):  # the first publish is out: the interval has begun
+            time.sleep(0.01)
+        publisher.token(2, "b")  # held for the interval
+        closing = time.monotonic()
+    assert time.monotonic() - closing < 10  # not the 30 s interval
+    texts = [TokenEvent.model_validate_json(e.data).text for e in store.events("j")]
+    assert texts == ["a", "b"]
