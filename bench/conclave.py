@@ -12,8 +12,8 @@ Every system has the same model file and 2 threads, and all run side by side, as
 round after round (bench/paired.py): granary (API + one worker: one job at a time
 (`max_active_jobs` 1), then 8 at once with the kernels `make install` builds, whose batched rows
 equal lone ones; then with the stock kernels (`make wheel-stock`), where exact batching replays
-near ties, and with `worker.exact_batching` off, which does not; last with `flash_attn` off;
-llama-server chooses flash attention by itself) and `llama-server -np 8 -kvu` built from the
+near ties, and with `worker.exact_batching` off, which does not; flash attention on, as
+llama-server chooses it by itself on a CPU) and `llama-server -np 8 -kvu` built from the
 llama.cpp llama-cpp-python vendors (`make peer-server`).
 """
 
@@ -234,7 +234,6 @@ def granary(
         update={
             "worker": settings.worker.model_copy(update=knobs),
             "cache": settings.cache.model_copy(update=cache),
-            "flash_attn": run.flash_attn,
             "redis_url": f"{settings.redis_url}?db={db}",
             "api": settings.api.model_copy(update={"port": free_port()}),
         }
@@ -281,7 +280,6 @@ class Run:
     exact: bool
     active: int
     stock: bool = False  # the stock kernels (make wheel-stock) instead of the installed ones
-    flash_attn: bool = True
 
     @property
     def rows(self) -> str:
@@ -295,8 +293,6 @@ RUNS = (
     Run("granary, exact (default)", True, 8),
     Run("granary, exact, stock kernels (near-tie replays)", True, 8, stock=True),
     Run("granary, exact_batching off, stock kernels", False, 8, stock=True),
-    # What flash attention (llama-server's `-fa auto` and granary's default) changes.
-    Run("granary, exact, flash_attn off", True, 8, flash_attn=False),
 )
 
 

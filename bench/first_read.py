@@ -5,7 +5,7 @@ the system message, the question as the user message; Qwen2.5-Coder-0.5B-Instruc
 greedy, answers of at most 16 tokens), asked three ways: one `/v1/extractions` job per
 document (granary only; all submitted at once), an OpenAI client asking one question at a time,
 and an OpenAI client with 8 questions in flight (in document order, as a thread pool takes
-them). granary (as configured by default, and with `flash_attn` off) and llama-server (`-np 8
+them). granary (as configured by default) and llama-server (`-np 8
 -kvu`, built from the same llama.cpp) run side by side and take turns, round by round, each on
 documents new to all. The ratio is taken per round:
 the peer's seconds over granary's (above 1, granary is faster); the table gives the median and
@@ -27,7 +27,7 @@ import httpx
 from bench.conclave import Reply, document, llama_server, stream_chat
 from bench.paired import ForeignCpu, per_round, ratio_summary, shares_text
 from shared.settings import Settings
-from tests.harness import Stack, free_port
+from tests.harness import Stack
 
 DOCUMENTS = 3
 QUESTIONS = (
@@ -44,9 +44,7 @@ LINES = 17  # ~570-token prompts with the template and a question
 MAX_TOKENS = 16
 IN_FLIGHT = 8
 PEER = "llama-server -np 8 -kvu"
-# granary as configured by default, and with flash attention off (faster short passes past a
-# long context, slower 256-token chunks: "Flash attention by the rows of a pass").
-GRANARIES = {"granary": True, "granary, flash_attn off": False}
+GRANARY = "granary"
 ONE_AT_A_TIME = "OpenAI client, one question at a time"
 EIGHT_IN_FLIGHT = f"OpenAI client, {IN_FLIGHT} questions in flight"
 EXTRACTIONS = "`POST /v1/extractions`, one job per document"
@@ -138,20 +136,11 @@ def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int)
     timed: dict[tuple[str, str], list[Timed]] = {}
     foreign: list[float] = []
     with ExitStack() as running:
-        systems: dict[str, tuple[str, Clients]] = {}
-        for db, (name, flash_attn) in enumerate(GRANARIES.items(), start=1):
-            chosen = settings.model_copy(
-                update={
-                    "flash_attn": flash_attn,
-                    "redis_url": f"{settings.redis_url}?db={db}",  # queues of its own
-                    "api": settings.api.model_copy(update={"port": free_port()}),
-                }
-            )
-            stack = Stack(chosen, log_dir / name.replace(" ", "-").replace(",", ""))
-            stack.log_dir.mkdir(parents=True, exist_ok=True)
-            running.callback(stack.stop)
-            stack.start()
-            systems[name] = (stack.url, {EXTRACTIONS: _extractions, **CHAT_CLIENTS})
+        stack = Stack(settings, log_dir / GRANARY)
+        stack.log_dir.mkdir(parents=True, exist_ok=True)
+        running.callback(stack.stop)
+        stack.start()
+        systems = {GRANARY: (stack.url, {EXTRACTIONS: _extractions, **CHAT_CLIENTS})}
         if server is not None and server.exists():
             url = running.enter_context(llama_server(server, settings, log_dir))[0]
             systems[PEER] = (url, CHAT_CLIENTS)
