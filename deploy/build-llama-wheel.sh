@@ -11,9 +11,9 @@
 # quantisation of the activations from 4; the tiled K-quant path from 8; ARM's two-row mmla
 # dot from 2) start at ROWS rows instead, flash attention never splits a decode row's cells
 # among threads and tiles every pass (deploy/llama-flash-attn-tiles.patch). A decode step of
-# fewer rows then computes each row as a lone decode does, bit for bit, so the Conclave batches jobs without near-tie
-# replays (worker/conclave/row_check.py checks it at start-up); prefill chunks, hundreds of
-# rows, keep the fast kernels. For bench/batch_rows.py only: `stock` builds
+# fewer rows then computes each row as a lone decode does, bit for bit, so the Conclave batches
+# jobs without near-tie replays (worker/conclave/row_check.py checks it at start-up); prefill
+# chunks, hundreds of rows, keep the fast kernels. For bench/batch_rows.py only: `stock` builds
 # the sdist unchanged, `batch-invariant` without llamafile's sgemm.
 #
 # On x86_64 the CPUs here advertise AMX the sandbox cannot run (SIGSEGV in

@@ -16,8 +16,8 @@ kernels"). Only the thread that decodes switches it,
 between passes, so no pass ever sees it change.
 
 Flash attention needs no switch: the wheel tiles every pass, and a row's values do not depend
-on the tile (deploy/llama-flash-attn-tiles.patch). A wheel without the switch (stock, or a build of its own) has nothing to set: its prompt chunks
-already take the sdist's thresholds.
+on the tile (deploy/llama-flash-attn-tiles.patch). A wheel without the switch (stock, or a
+build of its own) has nothing to set: its prompt chunks already take the sdist's thresholds.
 """
 
 from __future__ import annotations
