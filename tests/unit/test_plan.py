@@ -76,7 +76,7 @@ def run_prefills(arrivals: dict[int, tuple[int, int, int]], chunk: int) -> list[
             if at == turn:
                 remaining[key], passed[key] = tokens, 0
         views = [
-            Prefilling(key, arrivals[key][1], left, passed[key])
+            Prefilling(key, arrivals[key][1], left, passed[key], min(chunk, left))
             for key, left in remaining.items()
             if left > 0
         ]
@@ -84,8 +84,9 @@ def run_prefills(arrivals: dict[int, tuple[int, int, int]], chunk: int) -> list[
         if plan is None:
             return order
         passed.update(plan.passed_over)
-        remaining[plan.key] -= chunk
-        order.append(plan.key)
+        (key,) = plan.keys  # no `rows`: one chunk a turn
+        remaining[key] -= chunk
+        order.append(key)
     raise AssertionError("the prefills never ended")
 
 
@@ -95,10 +96,10 @@ def test_nothing_to_prefill_plans_nothing() -> None:
 
 def test_a_more_urgent_class_goes_first_then_the_shortest_then_the_earliest() -> None:
     plan = plan_prefill(
-        [Prefilling(0, 1, 10, 0), Prefilling(1, 0, 900, 0), Prefilling(2, 0, 40, 0)]
+        [Prefilling(0, 1, 10, 0, 10), Prefilling(1, 0, 900, 0, 900), Prefilling(2, 0, 40, 0, 40)]
     )
-    assert plan is not None and plan.key == 2
-    assert plan_prefill([Prefilling(3, 0, 40, 0), Prefilling(2, 0, 40, 0)]).key == 2  # type: ignore[union-attr]
+    assert plan is not None and plan.keys == (2,)
+    assert plan_prefill([Prefilling(3, 0, 40, 0, 40), Prefilling(2, 0, 40, 0, 40)]).keys == (2,)  # type: ignore[union-attr]
 
 
 def test_a_long_prompt_is_read_while_short_ones_keep_arriving() -> None:
@@ -122,9 +123,39 @@ def test_a_short_prompt_arriving_behind_a_long_one_goes_before_its_next_chunk() 
 
 
 def test_every_prefilling_stream_is_counted_passed_over_but_the_chosen() -> None:
-    plan = plan_prefill([Prefilling(0, 0, 10, 2), Prefilling(1, 0, 500, 3)])
+    plan = plan_prefill([Prefilling(0, 0, 10, 2, 10), Prefilling(1, 0, 500, 3, 500)])
     assert plan is not None
     assert plan.passed_over == {0: 0, 1: 4}
+
+
+def test_short_chunks_of_one_class_share_a_turn_up_to_one_chunks_rows() -> None:
+    # An extraction's question tails (12-14 tokens) beside a document still to read (its next
+    # chunk 256 tokens) and a batch-class chat: the tails are read in one turn, shortest first;
+    # the document's chunk would take the turn past 256 rows, the chat is of another class.
+    tails = [Prefilling(key, 0, 12 + key % 3, 0, 12 + key % 3) for key in range(1, 9)]
+    document = Prefilling(20, 0, 500, 0, 256)
+    chat = Prefilling(21, 1, 30, 0, 30)
+    plan = plan_prefill([document, chat, *tails], rows=256)
+    assert plan is not None
+    assert plan.keys == (3, 6, 1, 4, 7, 2, 5, 8)
+    assert plan.passed_over == {20: 1, 21: 1} | {key: 0 for key in range(1, 9)}
+
+
+def test_a_turn_adds_chunks_only_while_they_fit_in_its_rows() -> None:
+    plan = plan_prefill(
+        [Prefilling(0, 0, 900, STARVE_AFTER, 256), Prefilling(1, 0, 10, 0, 10)],
+        rows=256,
+    )
+    assert plan is not None and plan.keys == (0,)  # the starved document's chunk fills it
+    plan = plan_prefill(
+        [
+            Prefilling(0, 0, 100, 0, 100),
+            Prefilling(1, 0, 150, 0, 150),
+            Prefilling(2, 0, 160, 0, 160),
+        ],
+        rows=256,
+    )
+    assert plan is not None and plan.keys == (0, 1)  # 100 + 150; 160 more would not fit
 
 
 def no_cost(_rows: int) -> float | None:

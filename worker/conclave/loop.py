@@ -280,7 +280,7 @@ class Conclave:
         """One turn of the loop; False when there was nothing to do."""
         self._sweep()
         self._start_waiting()
-        worked = self._prefill_one()
+        worked = self._prefill()
         worked = self._step() or worked
         self._note_held()
         return worked
@@ -410,20 +410,32 @@ class Conclave:
             min_tokens=self._min_snapshot_tokens,
         )
 
-    def _prefill_one(self) -> bool:
-        """Decode one canonical chunk of the stream whose turn it is (`plan_prefill`)."""
+    def _prefill(self) -> bool:
+        """Decode the canonical chunks of the streams whose turn it is (`plan_prefill`)."""
         prefilling = {s.arrival: s for s in self._streams if s.state is _State.PREFILLING}
-        plan = plan_prefill([_prefilling(s) for s in prefilling.values()])
+        views = [self._prefilling(s) for s in prefilling.values()]
+        plan = plan_prefill(views, self._block_tokens)
         if plan is None:
             return False
         for key, count in plan.passed_over.items():
             prefilling[key].passed_over = count
-        chosen = prefilling[plan.key]
-        try:
-            self._prefill_chunk(chosen)
-        except Exception as exc:
-            self._fail(chosen, exc)
+        for key in plan.keys:
+            chosen = prefilling[key]
+            try:
+                self._prefill_chunk(chosen)
+            except Exception as exc:
+                self._fail(chosen, exc)
         return True
+
+    def _prefilling(self, stream: _Stream) -> Prefilling:
+        """The stream as `plan_prefill` sees it: its followers' priority lifts its own."""
+        request = stream.request
+        priority = request.priority
+        if stream.led_priority is not None:
+            priority = min(priority, stream.led_priority)
+        end = chunk_end(stream.pos, request.prefill_end, self._block_tokens, request.breaks)
+        remaining = request.prefill_end - stream.pos
+        return Prefilling(stream.arrival, priority, remaining, stream.passed_over, end - stream.pos)
 
     def _prefill_chunk(self, stream: _Stream) -> None:
         request, position = stream.request, stream.pos
@@ -686,15 +698,6 @@ class Conclave:
     def _logits(self, row: int) -> Logits:
         pointer = llama_cpp.llama_get_logits_ith(self.llama.ctx, row)
         return np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
-
-
-def _prefilling(stream: _Stream) -> Prefilling:
-    """The stream as `plan_prefill` sees it: its followers' priority lifts its own."""
-    priority = stream.request.priority
-    if stream.led_priority is not None:
-        priority = min(priority, stream.led_priority)
-    remaining = stream.request.prefill_end - stream.pos
-    return Prefilling(stream.arrival, priority, remaining, stream.passed_over)
 
 
 def _waiting(stream: _Stream) -> Waiting:

@@ -111,29 +111,41 @@ class Prefilling:
     priority: int  # the most urgent of its own and its waiting followers' (`plan_admission`)
     remaining: int  # prompt tokens still to read
     passed_over: int  # turns another stream's chunk went first since its last one
+    chunk: int  # tokens its next chunk reads
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillPlan:
-    key: int  # whose next chunk is read
+    keys: tuple[int, ...]  # whose next chunks are read this turn, in this order
     passed_over: dict[int, int]  # every prefilling stream's count after this turn
 
 
-def plan_prefill(prefilling: Sequence[Prefilling]) -> PrefillPlan | None:
-    """The stream whose chunk this turn reads: the most urgent priority class first, the
+def plan_prefill(prefilling: Sequence[Prefilling], rows: int = 0) -> PrefillPlan | None:
+    """The streams whose chunks this turn reads. First: the most urgent priority class, the
     fewest remaining tokens within it (a short prompt's first token should not wait for a long
     document's read), arrival order last. But a stream passed over STARVE_AFTER times goes
-    next, and among such the one passed over most: under a backlog of short prompts the
-    shortest starved one would win every turn, and the long one wait for the backlog to end."""
+    first, and among such the one passed over most: under a backlog of short prompts the
+    shortest starved one would win every turn, and the long one wait for the backlog to end.
+
+    Then, in the same order, the next chunks of other streams of that class while the turn reads
+    at most `rows` tokens (one canonical chunk's): a turn of short chunks (an extraction's
+    question tails, short chats) costs no more than one long chunk, and the decode passes of
+    few rows that each short chunk would otherwise wait behind, the costliest per token, come
+    less often."""
     if not prefilling:
         return None
     starved = [s for s in prefilling if s.passed_over >= STARVE_AFTER]
     if starved:
-        chosen = min(starved, key=lambda s: (-s.passed_over, s.priority, s.remaining, s.key))
+        first = min(starved, key=lambda s: (-s.passed_over, s.priority, s.remaining, s.key))
     else:
-        chosen = min(prefilling, key=lambda s: (s.priority, s.remaining, s.key))
-    counts = {s.key: 0 if s is chosen else s.passed_over + 1 for s in prefilling}
-    return PrefillPlan(chosen.key, counts)
+        first = min(prefilling, key=lambda s: (s.priority, s.remaining, s.key))
+    chosen, read = [first.key], first.chunk
+    for s in sorted(prefilling, key=lambda s: (s.remaining, s.key)):
+        if s is not first and s.priority == first.priority and read + s.chunk <= rows:
+            chosen.append(s.key)
+            read += s.chunk
+    counts = {s.key: 0 if s.key in chosen else s.passed_over + 1 for s in prefilling}
+    return PrefillPlan(tuple(chosen), counts)
 
 
 @dataclass(frozen=True, slots=True)
