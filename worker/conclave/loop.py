@@ -2,8 +2,9 @@
 
 Each turn of the loop (1) ends cancelled streams, (2) gives waiting streams a sequence when
 their cells fit, reusing the longest prefix memory or the disk cache holds, (3) prefills one
-canonical chunk of one stream, and (4) decodes one token for every decoding stream in a single
-llama_decode (or several, where the streams outnumber the rows a pass may have and stay exact).
+canonical chunk of one stream (with other streams' short ones, within one chunk's rows), and
+(4) decodes one token for every decoding stream in a single llama_decode (or several, where the
+streams outnumber the rows a pass may have and stay exact).
 So a long document is read one chunk at a time while the others keep decoding, and a short
 prompt's prefill goes before a long one's. Which streams start, which one prefills and which
 share a pass is decided apart from these passes, by plan.py.

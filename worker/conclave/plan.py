@@ -1,7 +1,7 @@
 """The Conclave's decisions, apart from the passes that carry them out.
 
 Each turn the model thread (loop.py) asks `plan_admission` which waiting streams start and which
-wait for another's prefill, `plan_prefill` whose prompt chunk it reads and, once that chunk is
+wait for another's prefill, `plan_prefill` whose prompt chunks it reads and, once they are
 read, `plan_decode` which decoding streams share which pass and with how many drafts. Each is a
 pure function of the streams' state as the loop sees it (what memory and prompts hold comes in
 as values or read-only functions), so the policy is tested without a model
