@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -136,8 +137,10 @@ def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int)
     timed: dict[tuple[str, str], list[Timed]] = {}
     foreign: list[float] = []
     with ExitStack() as running:
-        stack = Stack(settings, log_dir / GRANARY)
-        stack.log_dir.mkdir(parents=True, exist_ok=True)
+        # A cache of its own: states an earlier run saved would answer its documents at once.
+        run_dir = Path(tempfile.mkdtemp(dir=log_dir, prefix="first-read-"))
+        cache = settings.cache.model_copy(update={"dir": run_dir / "kv"})
+        stack = Stack(settings.model_copy(update={"cache": cache}), run_dir)
         running.callback(stack.stop)
         stack.start()
         systems = {GRANARY: (stack.url, {EXTRACTIONS: _extractions, **CHAT_CLIENTS})}
