@@ -175,8 +175,8 @@ class Settings(BaseSettings):
     n_batch: int = Field(512, ge=1)
     # llama.cpp's flash-attention kernel (what llama-server's `-fa auto` picks on a CPU): faster
     # prefill, the more so the longer the prompt (docs/BENCHMARKS.md, "Cold prefill beside
-    # llama-server": a cold ~3,600-token prompt 0.99x the peer's time with it, 1.23x without).
-    # Its price: decode steps and short prompt chunks past a long context cost more with it
+    # llama-server"). The wheel `make install` builds tiles every pass, so short prompt chunks
+    # past a long context are faster with it too and a decode step costs about the same
     # (docs/BENCHMARKS.md, "Flash attention by the rows of a pass").
     # Exact in the Conclave with the wheel `make install` builds, which never splits a decode
     # row's cells among threads (its start-up row check says so). Cells computed with and
