@@ -10,8 +10,10 @@
 # types where its arithmetic is vec_dot's; repacked weights' gemm and its 4-row interleaved
 # quantisation of the activations from 4; the tiled K-quant path from 8; ARM's two-row mmla
 # dot from 2) start at ROWS rows instead, flash attention never splits a decode row's cells
-# among threads and tiles every pass (deploy/llama-flash-attn-tiles.patch). A decode step of
-# fewer rows then computes each row as a lone decode does, bit for bit, so the Conclave batches
+# among threads and tiles every pass (deploy/llama-flash-attn-tiles.patch), and Q6_K's
+# one-row kernel takes several rows, unpacking each weight block once for all of them
+# (deploy/llama-kquant-rows.patch). A decode step of fewer rows then computes each row as a
+# lone decode does, bit for bit, so the Conclave batches
 # jobs without near-tie replays (worker/conclave/row_check.py checks it at start-up); prefill
 # chunks, hundreds of rows, keep the fast kernels. For bench/batch_rows.py only: `stock` builds
 # the sdist unchanged, `batch-invariant` without llamafile's sgemm.
@@ -88,6 +90,9 @@ bool llamafile_sgemm("
   # beside other rows or inside a prompt chunk (docs/BENCHMARKS.md, "Flash attention by the
   # rows of a pass").
   patch -p1 -s -d "$src/vendor/llama.cpp" <"$(dirname "$0")/llama-flash-attn-tiles.patch"
+  # Q6_K weights against a decode step's rows (deploy/llama-kquant-rows.patch): vec_dot's exact
+  # arithmetic per output, the weights' unpacking done once for all rows instead of once per row.
+  patch -p1 -s -d "$src/vendor/llama.cpp" <"$(dirname "$0")/llama-kquant-rows.patch"
   edit "$cpu/repack.cpp" '        if (nrows > 3) {' "        if (nrows > 3 && nrows >= $rows) {"
   edit "$cpu/repack.cpp" 'for (int iter = nrows - (nrows % 4); iter < nrows' \
     "for (int iter = nrows >= $rows ? nrows - (nrows % 4) : 0; iter < nrows"

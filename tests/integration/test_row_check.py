@@ -44,9 +44,10 @@ def test_a_short_row_beside_a_sequence_past_the_padded_window_equals_it_alone() 
 
 
 @pytest.mark.qwen
-def test_qwens_steps_of_2_to_31_rows_batch_its_q8_0_and_q5_0_weights_and_equal_lone_rows() -> None:
-    # On AVX2 llamafile's kernels for those weights run from 2 rows (deploy/build-llama-wheel.sh):
-    # rows beside a sequence past the padded window still equal their lone selves.
+def test_qwens_steps_of_2_to_31_rows_batch_its_q8_0_q5_0_and_q6_k_weights_equal_lone_rows() -> None:
+    # On AVX2 llamafile's kernels for Q8_0 and Q5_0 run from 2 rows (deploy/build-llama-wheel.sh)
+    # and Q6_K's unpack a weight block once for all rows (deploy/llama-kquant-rows.patch): rows
+    # beside a sequence past the padded window still equal their lone selves.
     assert check("qwen2.5-coder-0.5b", 31, long_cells=PAST_PADDED_WINDOW)
 
 
