@@ -9,8 +9,8 @@
 # depends on the number of rows in a batch (llamafile's sgemm from 2 rows, except for the
 # types where its arithmetic is vec_dot's; repacked weights' gemm and its 4-row interleaved
 # quantisation of the activations from 4; the tiled K-quant path from 8; ARM's two-row mmla
-# dot from 2) start at ROWS rows instead, flash attention never splits a decode row's cells
-# among threads and tiles every pass (deploy/llama-flash-attn-tiles.patch), and Q6_K's
+# dot from 2) start at ROWS rows instead, flash attention tiles every pass and splits a decode
+# row's cells only at fixed segments (deploy/llama-flash-attn-tiles.patch), and Q6_K's
 # one-row kernel takes several rows, unpacking each weight block once for all of them
 # (deploy/llama-kquant-rows.patch). A decode step of fewer rows then computes each row as a
 # lone decode does, bit for bit, so the Conclave batches
@@ -77,7 +77,8 @@ struct ggml_compute_params {"
 bool llamafile_sgemm("
   # Flash attention: a lone query row of one sequence past 512 cells splits its cells among
   # the threads and merges their partial sums, a row beside other sequences does not. Decode
-  # steps never split, so a row's sums run in one order whatever is decoded beside it.
+  # steps never take that split; the patch below splits every decode row at the same fixed
+  # segments instead, so a row's sums run in one order whatever is decoded beside it.
   edit "$cpu/ops.cpp" 'const bool use_split_kv_path = !use_ref &&' \
     "const bool use_split_kv_path = $rows == 0 && !use_ref &&"
   # Flash attention (deploy/llama-flash-attn-tiles.patch) takes its tiled path for every pass,
@@ -86,9 +87,10 @@ bool llamafile_sgemm("
   # times its cost without flash attention, a 32-token chunk 5.3 times). A tile computes only
   # its rows (the sdist: always 64) and holds the query rows of every head that reads one K/V
   # head, so a decode step converts each K/V tile once for the whole group. Each output is
-  # summed per row in one order whatever the tile's rows, so a decode row reads the same alone,
-  # beside other rows or inside a prompt chunk (docs/BENCHMARKS.md, "Flash attention by the
-  # rows of a pass").
+  # summed per row in one order whatever the tile's rows. A decode pass sums each row over
+  # fixed 512-cell segments and merges them in order: both threads work on a lone row, and the
+  # row reads the same alone or beside other rows (docs/BENCHMARKS.md, "Flash attention by
+  # the rows of a pass").
   patch -p1 -s -d "$src/vendor/llama.cpp" <"$(dirname "$0")/llama-flash-attn-tiles.patch"
   # Q6_K weights against a decode step's rows (deploy/llama-kquant-rows.patch): vec_dot's exact
   # arithmetic per output, the weights' unpacking done once for all rows instead of once per row.

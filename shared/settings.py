@@ -178,8 +178,9 @@ class Settings(BaseSettings):
     # llama-server"). The wheel `make install` builds tiles every pass, so short prompt chunks
     # past a long context are faster with it too and a decode step costs about the same
     # (docs/BENCHMARKS.md, "Flash attention by the rows of a pass").
-    # Exact in the Conclave with the wheel `make install` builds, which never splits a decode
-    # row's cells among threads (its start-up row check says so). Cells computed with and
+    # Exact in the Conclave with the wheel `make install` builds, which splits a decode row's
+    # cells only at fixed segments, never by thread or by the rows beside it (its start-up row
+    # check says so). Cells computed with and
     # without it differ in rounding and layout, so it is part of the cache fingerprint:
     # neither reads the other's states.
     flash_attn: bool = True

@@ -31,9 +31,10 @@ KV_CACHE_TYPE = "f16"
 # States granary cached before, when a chunk under 32 tokens was read one row at a time, hold
 # other values, so they are not read.
 PROMPT_KERNELS = "prompt-chunks=sdist-thresholds"
-# With flash attention every pass is tiled, a K/V head's query rows in one tile
-# (deploy/llama-flash-attn-tiles.patch); states cached before hold other values.
-FLASH_ATTN = "flash-attn=tiled-every-pass"
+# With flash attention every pass is tiled, a K/V head's query rows in one tile, and a decode
+# pass reads its cells in fixed segments (deploy/llama-flash-attn-tiles.patch); states and
+# results cached before hold other values.
+FLASH_ATTN = "flash-attn=tiled-every-pass,decode-in-segments"
 _CHUNK_BYTES = 8 * 1024 * 1024
 
 

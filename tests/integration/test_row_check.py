@@ -20,8 +20,8 @@ from worker.model import load_model
 
 
 @contextlib.contextmanager
-def loaded(model: str, n_seq: int) -> Iterator[Llama]:
-    settings = Settings(model=model, data_dir=DATA_DIR, n_ctx=512)
+def loaded(model: str, n_seq: int, n_ctx: int = 512) -> Iterator[Llama]:
+    settings = Settings(model=model, data_dir=DATA_DIR, n_ctx=n_ctx)
     llama = load_model(settings, n_seq)
     try:
         yield llama
@@ -29,8 +29,8 @@ def loaded(model: str, n_seq: int) -> Iterator[Llama]:
         llama.close()
 
 
-def check(model: str, n_seq: int, long_cells: int = 0) -> bool:
-    with loaded(model, n_seq) as llama:
+def check(model: str, n_seq: int, long_cells: int = 0, n_ctx: int = 512) -> bool:
+    with loaded(model, n_seq, n_ctx) as llama:
         return batched_rows_equal_lone(llama, n_seq, long_cells)
 
 
@@ -41,6 +41,15 @@ def test_steps_of_up_to_31_rows_equal_their_rows_decoded_alone() -> None:
 def test_a_short_row_beside_a_sequence_past_the_padded_window_equals_it_alone() -> None:
     # Beside a sequence of 260 cells a step's attention window is 512 cells, not 256.
     assert check("smollm2-135m", 8, long_cells=PAST_PADDED_WINDOW)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_rows_beside_a_sequence_past_one_attention_segment_equal_lone_rows(model: str) -> None:
+    # A decode pass reads its cells in segments of 512 and merges each row's segments in order
+    # (deploy/llama-flash-attn-tiles.patch). Beside a sequence of 600 cells every row's window
+    # spans two segments, the second wholly masked for the short rows; alone, a short row's
+    # window is one segment and the long row's two.
+    assert check(model, 8, long_cells=600, n_ctx=1024)
 
 
 @pytest.mark.qwen
