@@ -180,9 +180,8 @@ class Settings(BaseSettings):
     # (docs/BENCHMARKS.md, "Flash attention by the rows of a pass").
     # Exact in the Conclave with the wheel `make install` builds, which splits a decode row's
     # cells only at fixed segments, never by thread or by the rows beside it (its start-up row
-    # check says so). Cells computed with and
-    # without it differ in rounding and layout, so it is part of the cache fingerprint:
-    # neither reads the other's states.
+    # check says so). Cells computed with and without it differ in rounding and layout, so it
+    # is part of the cache fingerprint: neither reads the other's states.
     flash_attn: bool = True
     log_level: str = "INFO"
     # Comma-separated in GRANARY_API_KEYS. Empty: no authentication.
