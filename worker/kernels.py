@@ -15,9 +15,10 @@ on Qwen2.5 and up to 1.6 times for longer tails (docs/BENCHMARKS.md, "A prompt c
 kernels"). Only the thread that decodes switches it,
 between passes, so no pass ever sees it change.
 
-Flash attention needs no switch: the wheel tiles every pass, and a row's values do not depend
-on the tile (deploy/llama-flash-attn-tiles.patch). A wheel without the switch (stock, or a
-build of its own) has nothing to set: its prompt chunks already take the sdist's thresholds.
+Flash attention reads the same switch: a decode pass sums each row over fixed segments of
+cells, a prompt chunk's pass in whole tiles (deploy/llama-flash-attn-tiles.patch). A wheel
+without the switch (stock, or a build of its own) has nothing to set: its prompt chunks already
+take the sdist's thresholds.
 """
 
 from __future__ import annotations

@@ -18,11 +18,11 @@ past the 256 cells to which llama.cpp pads a step's attention window (`get_n_kv`
 llama-kv-cache.cpp), reads a longer window than alone. With the default attention kernel that
 changes nothing, the same on every build of the llama.cpp we pin
 (tests/integration/test_row_check.py checks it), so the worker leaves that case out to keep
-its start short. Stock flash attention splits a lone row's
-window among the threads once it reaches 512 cells, and a row beside other sequences never;
-the wheel `make install` builds splits every decode row's window at the same fixed segments,
-alone or not (deploy/llama-flash-attn-tiles.patch), so with flash attention the worker checks
-that case too (`long_cells`).
+its start short. Stock flash attention splits a lone row's window among the threads once it
+reaches 512 cells, and a row beside other sequences never; the wheel `make install` builds
+splits every decode row's window at the same fixed segments, alone or not
+(deploy/llama-flash-attn-tiles.patch), so with flash attention the worker checks that case too
+(`long_cells`).
 """
 
 from __future__ import annotations
