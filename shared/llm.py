@@ -8,11 +8,13 @@ count the API checks is the one the worker computes.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
+import llama_cpp
 from llama_cpp import Llama
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -72,10 +74,31 @@ def quiet_native_logs() -> Iterator[None]:
             os.close(saved)
 
 
+def token_bytes(llama: Llama, token: int, *, special: bool = False) -> bytes:
+    """A token's text as bytes, however long.
+
+    llama-cpp-python's `detokenize` reads each piece into 32 bytes and silently returns
+    nothing for a longer one: 240 of Qwen's tokens (runs of spaces, dashes, `=`) and 47 of
+    SmolLM2's would vanish from an answer.
+    """
+    vocab = llama_cpp.llama_model_get_vocab(llama.model)
+    size = 64
+    while True:
+        buffer = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buffer, size, 0, special)
+        if n >= 0:
+            return buffer.raw[:n]
+        size = -n  # too small: llama.cpp says how many bytes the piece needs
+
+
+def detokenize(llama: Llama, tokens: Iterable[int], *, special: bool = False) -> bytes:
+    return b"".join(token_bytes(llama, t, special=special) for t in tokens)
+
+
 def _special_text(llama: Llama, token: int) -> str:
     if token < 0:
         return ""
-    return llama.detokenize([token], special=True).decode("utf-8", errors="replace")
+    return token_bytes(llama, token, special=True).decode("utf-8", errors="replace")
 
 
 def render_prompt(llama: Llama, request: JobRequest) -> RenderedPrompt:

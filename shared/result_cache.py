@@ -41,7 +41,8 @@ from shared.scripts import Scripts
 from shared.settings import ResultCacheSettings, Settings
 
 # Bumped when what a key covers changes, so old entries are never read under new rules.
-KEY_VERSION = 1
+# 2: answers hold every token's text (before, a piece over 32 bytes was dropped).
+KEY_VERSION = 2
 
 
 def identity(settings: Settings, fingerprint: str) -> str:

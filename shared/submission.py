@@ -17,7 +17,7 @@ from redis import Redis
 from shared import codec, documents, keys, result_cache, routing
 from shared.errors import ContextOverflow, IdempotencyConflict, InvalidRequest
 from shared.job_store import JobStore
-from shared.llm import document_prompts, render_prompt, render_warm, tokenize
+from shared.llm import document_prompts, render_prompt, render_warm, token_bytes, tokenize
 from shared.prefix_usage import document_prefix_id
 from shared.queues import ROUTED, RUN_EXTRACT, RUN_JOB, enqueue, queue
 from shared.result_cache import ResultCache
@@ -327,4 +327,4 @@ def _digest(request: JobRequest | ExtractionRequest) -> str:
 
 def longest_token_bytes(tokenizer: Llama) -> int:
     """Bytes of the vocabulary's longest token (a fraction of a second, once per process)."""
-    return max(len(tokenizer.detokenize([t])) for t in range(tokenizer.n_vocab())) or 1
+    return max(len(token_bytes(tokenizer, t)) for t in range(tokenizer.n_vocab())) or 1

@@ -16,6 +16,7 @@ from typing import Literal
 import llama_cpp
 from llama_cpp import Llama
 
+from shared.llm import token_bytes
 from shared.schemas import Answer, ExtractOrder, FinishReason, Timings, Usage
 from worker.resume import Streamed, text_stream
 from worker.text_stream import TextStream
@@ -96,7 +97,7 @@ class TextSink:
             decoded.finish_reason = "stop"
             return True
         decoded.count += 1
-        piece = self._stream.feed(self._llama.detokenize([token]))
+        piece = self._stream.feed(token_bytes(self._llama, token))
         if self._on_token(token, piece):
             decoded.finish_reason = "cancelled"
             return True
@@ -169,7 +170,7 @@ class Answering:
 
     def on_token(self, index: int, token: int) -> bool:
         stream = self.streams[index]
-        piece = stream.feed(self.llama.detokenize([token]))
+        piece = stream.feed(token_bytes(self.llama, token))
         if self.publisher.token(token, piece, question=self.order.questions[index].id):
             self.cancelled = True
         return self.cancelled or stream.stopped

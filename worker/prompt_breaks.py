@@ -84,6 +84,9 @@ class _Pieces:
         if llama_cpp.llama_vocab_get_attr(vocab, token) & _CONTROL:
             result = None
         else:
+            # llama-cpp-python's detokenize reads a piece longer than 32 bytes as empty (see
+            # shared.llm.token_bytes). Breaks are chosen by that reading: cached states were cut
+            # at them, and reading those pieces whole would move breaks (new fingerprint).
             text = llama.detokenize([token], special=False).decode("utf-8", "replace")
             tail = text[len(text.rstrip(" \t\r\n")) :]
             result = (text.strip() == "", tail.count("\n"))

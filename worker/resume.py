@@ -21,6 +21,7 @@ import orjson
 from llama_cpp import Llama
 
 from shared.job_store import JobEvent
+from shared.llm import token_bytes
 from shared.schemas import Answer, AnswerEvent, TokenEvent
 from worker.text_stream import TextStream
 
@@ -79,5 +80,5 @@ def text_stream(llama: Llama, stop: list[str], streamed: Sequence[int]) -> TextS
     (published already) not released again."""
     stream = TextStream(stop=stop)
     for token in streamed:
-        stream.feed(llama.detokenize([token]))
+        stream.feed(token_bytes(llama, token))
     return stream
