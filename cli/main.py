@@ -11,6 +11,7 @@ from typing import get_args
 import httpx
 from pydantic import ValidationError
 
+from cli.model import add_model_parser
 from shared.errors import GranaryError
 from shared.schemas import DocumentFormat, DocumentType
 from shared.settings import Settings, load_settings
@@ -69,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     normalize.add_argument("--format", choices=FORMATS[1:], default="facts")
     normalize.add_argument("--type", choices=TYPES, default=None, help="else detected")
     sub.add_parser("prepare", help="provision the configured model and print its path")
+    add_model_parser(sub)
     cache = sub.add_parser("cache", help="inspect or manage the shared prefix cache")
     cache.add_argument("action", choices=["stats", "ls", "verify", "prune", "clear", "forget"])
 
@@ -128,6 +130,10 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         from shared.models import resolve_model
 
         print(resolve_model(settings.model, settings.data_dir))
+    elif args.command == "model":
+        from cli.model import trim_from_cli
+
+        return trim_from_cli(args, settings)
     elif args.command == "cache":
         from cli.cache import run_cache_command
 

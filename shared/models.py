@@ -86,6 +86,10 @@ def _concatenate(parts: list[Path], target: Path) -> None:
         raise
 
 
+def is_named_model(model: str) -> bool:
+    return MODEL_ALIASES.get(model, model) in NAMED_MODELS
+
+
 def resolve_model(model: str, data_dir: Path) -> Path:
     """The GGUF file for `model` (a known name or a path); raises ModelUnavailable with a fix."""
     named = NAMED_MODELS.get(MODEL_ALIASES.get(model, model))
