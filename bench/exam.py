@@ -19,7 +19,7 @@ import os
 import re
 import time
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -188,7 +188,9 @@ def _extract(stack: Stack, body: dict[str, Any]) -> tuple[float, dict[str, Any]]
     return ttft, view
 
 
-def run_model(stack: Stack, model: str, docs: list[ExamDocument]) -> list[Run]:
+def run_model(
+    stack: Stack, model: str, docs: list[ExamDocument], formats: Sequence[str] = FORMATS
+) -> list[Run]:
     """Every document in every format on one model's stack."""
     # One unrecorded job first, on a document of its own (the worker keeps a prefix in memory:
     # an exam document here would give its first run a head start): first-request costs.
@@ -198,7 +200,7 @@ def run_model(stack: Stack, model: str, docs: list[ExamDocument]) -> list[Run]:
     )
     runs: list[Run] = []
     for doc in docs:
-        for fmt in FORMATS:
+        for fmt in formats:
             ttft, view = _extract(stack, _body(doc, fmt))
             answers = {q: a["text"].strip() for q, a in view["extraction"]["answers"].items()}
             report = view.get("document") or {}
@@ -220,19 +222,21 @@ def run_model(stack: Stack, model: str, docs: list[ExamDocument]) -> list[Run]:
             )
         # Raw documents are not normalised, so their job has no report: the other formats'
         # tokens_before (same document, same tokenizer) is the raw document's count.
-        before = {r.tokens_before for r in runs[-len(FORMATS) :] if r.tokens_before}
-        for r in runs[-len(FORMATS) :]:
+        before = {r.tokens_before for r in runs[-len(formats) :] if r.tokens_before}
+        for r in runs[-len(formats) :]:
             if r.format == "raw" and len(before) == 1:
                 r.tokens = before.pop()
     return runs
 
 
-def measure(settings: Settings, log_dir: Path, docs: list[ExamDocument]) -> list[Run]:
+def measure(
+    settings: Settings, log_dir: Path, docs: list[ExamDocument], formats: Sequence[str] = FORMATS
+) -> list[Run]:
     stack = Stack(settings, log_dir)
     try:
         stack.start_api()
         stack.start_worker()
-        return run_model(stack, settings.model, docs)
+        return run_model(stack, settings.model, docs, formats)
     finally:
         stack.stop()
 
@@ -245,13 +249,13 @@ def section(runs: list[Run], docs: list[ExamDocument], settings: Settings) -> st
     rows = []
     verdicts = []
     for model in dict.fromkeys(r.model for r in runs):
-        totals = {
-            fmt: _totals([r for r in runs if r.model == model and r.format == fmt])
+        by_format = {
+            fmt: totals([r for r in runs if r.model == model and r.format == fmt])
             for fmt in FORMATS
         }
         for fmt in FORMATS:
-            t = totals[fmt]
-            raw = totals["raw"]
+            t = by_format[fmt]
+            raw = by_format["raw"]
             rows.append(
                 f"| {model} | {fmt} | {t['tokens']} | {raw['tokens'] / max(t['tokens'], 1):.1f}× | "
                 f"{t['ttft']:.0f} | {t['right']}/{t['stated']} + {t['not_stated']}/{t['unanswerable']} "
@@ -259,7 +263,7 @@ def section(runs: list[Run], docs: list[ExamDocument], settings: Settings) -> st
                 f"{t['not_stated']} / {t['hallucinated']} |"
             )
         for fmt in ("text", "facts"):
-            t, raw = totals[fmt], totals["raw"]
+            t, raw = by_format[fmt], by_format["raw"]
             ok = t["score"] >= raw["score"] and t["critical"] >= raw["critical"]
             verdicts.append(
                 f"- {model}, `{fmt}` against `raw`: score {t['score']} vs {raw['score']}, "
@@ -312,7 +316,7 @@ def _load(runs: list[Run], settings: Settings) -> str:
     )
 
 
-def _totals(runs: list[Run]) -> dict[str, Any]:
+def totals(runs: list[Run]) -> dict[str, Any]:
     right = sum(r.count("right") for r in runs)
     not_stated = sum(r.count("not_stated") for r in runs)
     hallucinated = sum(r.count("hallucinated") for r in runs)
@@ -362,7 +366,7 @@ def _per_document(runs: list[Run], docs: list[ExamDocument]) -> str:
                     cells.append("—")
                     continue
                 r = found[0]
-                t = _totals([r])
+                t = totals([r])
                 used = "" if r.used == fmt else f" (sent as {r.used})"
                 cells.append(
                     f"{t['score']}/{t['questions']}, {t['critical']}/{t['critical_total']}, "

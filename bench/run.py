@@ -32,6 +32,7 @@ from bench import (
     result_cache,
     routing,
     speculation,
+    vocab_trim,
     warm,
 )
 from shared.redis_server import private_redis
@@ -195,6 +196,11 @@ def _first_read_section(redis_url: str, log_dir: Path, server: Path | None, quic
     return first_read.section(settings, log_dir, server, rounds=1 if quick else 3)
 
 
+def _vocab_trim_section(redis_url: str, log_dir: Path, quick: bool) -> str:
+    settings = _settings(redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, n_threads=2)
+    return vocab_trim.section(settings, log_dir, rounds=1 if quick else 3, with_exam=not quick)
+
+
 def _routing_section(redis_url: str, log_dir: Path) -> str:
     # Two workers on two cores: one thread each.
     settings = _settings(redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, n_threads=1)
@@ -241,6 +247,7 @@ def main() -> None:
             "first_read",
             "routing",
             "exam",
+            "vocab_trim",
         ],
         help="one suite, printed, not written (unless --write)",
     )
@@ -308,6 +315,7 @@ def main() -> None:
             ],
             "routing": lambda: [_routing_section(redis_url, log_dir)],
             "exam": lambda: [_exam_section(redis_url, log_dir, args.exam_runs)],
+            "vocab_trim": lambda: [_vocab_trim_section(redis_url, log_dir, args.quick)],
         }
         sections = []
         for name, suite in suites.items():
