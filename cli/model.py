@@ -31,6 +31,11 @@ def add_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=[],
         help="a UTF-8 text file whose tokens are kept first (repeatable); also checked",
     )
+    trim.add_argument(
+        "--warm-specs",
+        action="store_true",
+        help="count the documents and instructions of the configured warm specs as corpus too",
+    )
     trim.add_argument("-o", "--output", type=Path, help="where to write it (default: beside)")
 
 
@@ -46,8 +51,9 @@ def trim_from_cli(args: argparse.Namespace, settings: Settings) -> int:
     # A named model may live inside an installed package: its trim goes with the assembled ones.
     directory = settings.data_dir / "models" if is_named_model(args.model) else None
     target: Path = args.output or trimmed_path(source, args.keep, directory)
-    target.parent.mkdir(parents=True, exist_ok=True)
     corpus = [_read(Path(name)) for name in args.corpus]
+    if args.warm_specs:
+        corpus += _warm_spec_texts(settings)
     report = trim_model(source, target, args.keep, corpus)
     print(
         f"{source.name}: kept {report.tokens_kept:,} of {report.tokens_before:,} tokens and "
@@ -58,6 +64,18 @@ def trim_from_cli(args: argparse.Namespace, settings: Settings) -> int:
     )
     print(report.target)
     return 0
+
+
+def _warm_spec_texts(settings: Settings) -> list[str]:
+    """What the warm specs' requests send: their documents (in their format) and instructions."""
+    from warmer.specs import declared_items
+
+    declared = declared_items(settings.warmer, Path.cwd())
+    texts = [t for item in declared.items for t in (item.document, item.instructions) if t]
+    if not texts:
+        problems = "; ".join(declared.errors) or "none is configured"
+        raise InvalidRequest(f"--warm-specs: no warm spec names a document ({problems})")
+    return texts
 
 
 def _read(path: Path) -> str:

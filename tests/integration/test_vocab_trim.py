@@ -32,6 +32,11 @@ MODELS = [
     "smollm2-135m",
     pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.qwen),
 ]
+# A warm spec's document in words SmolLM2's merge ranks put late (German compounds).
+SPEC_DOCUMENT = (
+    "Die Gewährleistungsansprüche verjähren nach vierundzwanzig Monaten. "
+    "Rücksendungen gehen an das Zentrallager in Mönchengladbach.\n"
+)
 # Prompts whose every token the trimmed vocabulary keeps (common English words).
 PROMPTS = [
     "The delivery is free for orders above 79 dollars. Returns are accepted within 30 days.",
@@ -77,21 +82,14 @@ def _trimmed(model: str, tmp_path_factory: pytest.TempPathFactory) -> Trimmed:
         return _trims[model]
     full = resolve_model(model, DATA_DIR)
     target = tmp_path_factory.mktemp("trim") / f"{model}.gguf"
-    if model == "smollm2-135m":
-        env = settings_env(Settings(data_dir=DATA_DIR))
+    if model == "smollm2-135m":  # as a user trims, for the documents their warm specs name
+        specs = tmp_path_factory.mktemp("specs")
+        (specs / "contracts.txt").write_text(SPEC_DOCUMENT)
+        (specs / "contracts.toml").write_text(f'documents = ["{specs}/*.txt"]\n')
+        env = settings_env(Settings(data_dir=DATA_DIR, warmer={"spec_dir": specs}))
+        command = ["model", "trim", model, "--keep", str(KEEP[model]), "--warm-specs"]
         done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "cli.main",
-                "model",
-                "trim",
-                model,
-                "--keep",
-                str(KEEP[model]),
-                "-o",
-                str(target),
-            ],
+            [sys.executable, "-m", "cli.main", *command, "-o", str(target)],
             cwd=REPO,
             env=env,
             capture_output=True,
@@ -201,3 +199,15 @@ def test_a_trimmed_model_serves_chats_as_a_model_of_its_own(
     assert replies[0] == replies[1]
     assert replies[0][1] == "stop"
     assert len(fingerprints) == 2
+
+
+def test_warm_spec_documents_keep_their_tokens(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The trim made with --warm-specs reads its spec's document in the full model's tokens;
+    the same size trimmed by merge rank alone needs more."""
+    trim = _trimmed("smollm2-135m", tmp_path_factory)
+    plain = trim_model(trim.full_path, trim.path.with_name("plain.gguf"), KEEP["smollm2-135m"])
+    counts = [
+        len(_vocab_only(path).tokenize(SPEC_DOCUMENT.encode(), add_bos=False, special=False))
+        for path in (trim.full_path, trim.path, plain.target)
+    ]
+    assert counts[0] == counts[1] < counts[2]
