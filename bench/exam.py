@@ -32,7 +32,7 @@ from shared.settings import Settings
 from tests.harness import Stack
 
 DOCS_DIR = Path(__file__).resolve().parent / "exam_docs"
-MODELS = ("qwen2.5-coder-0.5b", "smollm2-135m")
+MODELS = ("qwen2.5-coder-0.5b", "smollm2-135m", "qwen2.5-coder-1.5b")
 FORMATS = ("raw", "text", "facts")
 INSTRUCTIONS = (
     "Answer each question about the document using only the document. Reply in English with "

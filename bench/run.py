@@ -26,6 +26,7 @@ from bench import (
     first_read,
     job_path,
     machine,
+    models,
     prefix_cache,
     prompt_kernels,
     restore,
@@ -201,6 +202,10 @@ def _vocab_trim_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     return vocab_trim.section(settings, log_dir, rounds=1 if quick else 3, with_exam=not quick)
 
 
+def _models_section(redis_url: str, log_dir: Path) -> str:
+    return models.section(_settings(redis_url, "smollm2-135m", n_threads=2), log_dir)
+
+
 def _routing_section(redis_url: str, log_dir: Path) -> str:
     # Two workers on two cores: one thread each.
     settings = _settings(redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, n_threads=1)
@@ -248,6 +253,7 @@ def main() -> None:
             "routing",
             "exam",
             "vocab_trim",
+            "models",
         ],
         help="one suite, printed, not written (unless --write)",
     )
@@ -316,6 +322,7 @@ def main() -> None:
             "routing": lambda: [_routing_section(redis_url, log_dir)],
             "exam": lambda: [_exam_section(redis_url, log_dir, args.exam_runs)],
             "vocab_trim": lambda: [_vocab_trim_section(redis_url, log_dir, args.quick)],
+            "models": lambda: [_models_section(redis_url, log_dir)],
         }
         sections = []
         for name, suite in suites.items():

@@ -17,26 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import tempfile
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import httpx
-import orjson
 from llama_cpp import Llama
 
 from bench import exam
+from bench.completions import clients, continued, served, together_rate
 from bench.conclave import document
 from bench.paired import ForeignCpu, per_round, ratio_summary, shares_text
 from shared.llm import quiet_native_logs
 from shared.models import resolve_model
 from shared.settings import Settings
 from shared.vocab_trim import TrimReport, trim_model, trimmed_path
-from tests.harness import Stack, free_port
 
 # Sizes per model: the first is the one the targets name.
 SIZES = {
@@ -67,104 +62,19 @@ class Speeds:
     cold_tokens: int  # that document's prompt tokens
 
 
-@dataclass(frozen=True, slots=True)
-class Stream:
-    started: float
-    token_times: list[float]  # when each streamed piece arrived
-    tokens: int
-    prompt_tokens: int
-
-    @property
-    def ttft(self) -> float:
-        return self.token_times[0] - self.started
-
-    def decode_rate(self) -> float:
-        return (self.tokens - 1) / (self.token_times[-1] - self.token_times[0])
-
-
-async def _complete(client: httpx.AsyncClient, url: str, text: str, max_tokens: int) -> Stream:
-    body = {
-        "model": "bench",
-        "prompt": text,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    started = time.perf_counter()
-    times: list[float] = []
-    usage: dict[str, Any] = {}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
-            choices = chunk.get("choices") or []
-            if choices and choices[0].get("text"):
-                times.append(time.perf_counter())
-            usage = chunk.get("usage") or usage
-    return Stream(started, times, usage["completion_tokens"], usage["prompt_tokens"])
-
-
-async def _clients(url: str, texts: list[list[str]], max_tokens: int) -> list[Stream]:
-    async def one(client: httpx.AsyncClient, mine: list[str]) -> list[Stream]:
-        return [await _complete(client, url, t, max_tokens) for t in mine]
-
-    limits = httpx.Limits(max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        replies = await asyncio.gather(*(one(client, mine) for mine in texts))
-    return [r for mine in replies for r in mine]
-
-
-def together_rate(streams: Sequence[Stream]) -> float:
-    """Pieces per second while every stream decodes: from the last first token to the first
-    last one (each stream's prefill, and the tails, left out)."""
-    start = max(s.token_times[0] for s in streams)
-    end = min(s.token_times[-1] for s in streams)
-    pieces = sum(1 for s in streams for t in s.token_times if start < t <= end)
-    return pieces / (end - start)
-
-
-def prompt(seed: int) -> str:
-    """~130 tokens (Qwen) of an inventory whose next lines every model writes on to the end
-    of its budget (distinct numbers per seed)."""
-    return document(seed, lines=4) + "\n"
-
-
 def measure(url: str, offset: int) -> Speeds:
-    one = asyncio.run(_clients(url, [[prompt(offset), prompt(offset + 1)]], MAX_TOKENS))
+    one = asyncio.run(clients(url, [[continued(offset), continued(offset + 1)]], MAX_TOKENS))
     eight = asyncio.run(
-        _clients(url, [[prompt(offset + 10 + i)] for i in range(CLIENTS)], EIGHT_TOKENS)
+        clients(url, [[continued(offset + 10 + i)] for i in range(CLIENTS)], EIGHT_TOKENS)
     )
     question = f"{document(offset)}\n\nWhich shelf holds the most crates of plums? Shelf"
-    (cold,) = asyncio.run(_clients(url, [[question]], 8))
+    (cold,) = asyncio.run(clients(url, [[question]], 8))
     return Speeds(
         one_stream=statistics.median(s.decode_rate() for s in one),
         eight=together_rate(eight),
         cold_ttft=cold.ttft,
         cold_tokens=cold.prompt_tokens,
     )
-
-
-@contextmanager
-def _served(settings: Settings, model: Path, log_dir: Path, db: int) -> Iterator[str]:
-    run_dir = Path(tempfile.mkdtemp(dir=log_dir, prefix="trim-"))
-    chosen = settings.model_copy(
-        update={
-            "model": str(model),
-            "redis_url": f"{settings.redis_url}?db={db}",
-            "api": settings.api.model_copy(update={"port": free_port()}),
-            "cache": settings.cache.model_copy(update={"dir": run_dir / "kv"}),
-        }
-    )
-    stack = Stack(chosen, run_dir)
-    try:
-        stack.start_api()
-        stack.start_worker()
-        yield stack.url
-    finally:
-        stack.stop()
 
 
 def trim(settings: Settings, model: str, keep: int, out_dir: Path) -> Trimmed:
@@ -191,11 +101,11 @@ def speeds(
     foreign = []
     with ExitStack() as running:
         urls = {
-            name: running.enter_context(_served(settings, path, log_dir, db))
+            name: running.enter_context(served(settings, path, log_dir, db)).url
             for db, (name, path) in enumerate(files.items(), start=1)
         }
         for url in urls.values():  # load pages, nothing measured
-            asyncio.run(_clients(url, [[prompt(9_999)]], 4))
+            asyncio.run(clients(url, [[continued(9_999)]], 4))
         for r in range(rounds):
             with ForeignCpu() as cpu:
                 for name, url in urls.items():

