@@ -71,3 +71,9 @@ class ModelUnavailable(GranaryError):
 
     status_code = 503
     error_type = "model_unavailable"
+
+
+class TrimRejected(GranaryError):
+    """`granary model trim` found its copy would lose text or was asked the impossible."""
+
+    error_type = "trim_rejected"

@@ -1,8 +1,9 @@
 """`granary model trim`: a copy of a GGUF model whose vocabulary holds fewer tokens.
 
 A decode step multiplies the last hidden state by one output row per token; on a small model
-that matrix is a large share of the weights each step reads (Qwen2.5-0.5B: ~26%), and every
-step hands one logit per token to Python. Dropping tokens no text here uses makes both smaller.
+that matrix is a large share of the weights each step reads (Qwen2.5-0.5B has 151,936 rows),
+and every step hands one logit per token to Python. Dropping tokens no text here uses makes
+both smaller.
 `selection` decides what stays, `gguf_file` writes the copy, and this module checks it before
 it is kept: a held-out corpus (shipped, plus the user's) must tokenize and detokenize byte for
 byte with the trimmed vocabulary, or nothing is written.
@@ -22,16 +23,12 @@ from gguf import GGUFReader
 from llama_cpp import Llama
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from shared.errors import GranaryError
+from shared.errors import TrimRejected
 from shared.llm import detokenize, quiet_native_logs, token_bytes
 from shared.vocab_trim.gguf_file import read_vocabulary, special_ids, write_trimmed
 from shared.vocab_trim.selection import select
 
-__all__ = ["TrimRejected", "TrimReport", "heldout_texts", "trim_model", "trimmed_path"]
-
-
-class TrimRejected(GranaryError):
-    error_type = "trim_rejected"
+__all__ = ["TrimReport", "heldout_texts", "trim_model", "trimmed_path"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +50,8 @@ class TrimReport:
 
 def trimmed_path(source: Path, keep: int, directory: Path | None = None) -> Path:
     """Where the trim of `source` to `keep` tokens is written (beside it unless `directory`)."""
-    name = f"{source.stem}.vocab-{keep // 1000}k.gguf" if keep % 1000 == 0 else None
-    return (directory or source.parent) / (name or f"{source.stem}.vocab-{keep}.gguf")
+    size = f"{keep // 1000}k" if keep % 1000 == 0 else str(keep)
+    return (directory or source.parent) / f"{source.stem}.vocab-{size}.gguf"
 
 
 def heldout_texts() -> list[str]:

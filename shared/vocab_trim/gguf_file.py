@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, ReaderField
 
+from shared.errors import TrimRejected
 from shared.vocab_trim.selection import Selection, Vocabulary
 
 TOKENS = "tokenizer.ggml.tokens"
@@ -32,7 +33,7 @@ def field_value(reader: GGUFReader, key: str) -> object:
 def read_vocabulary(reader: GGUFReader) -> Vocabulary:
     tokens = field_value(reader, TOKENS)
     if not isinstance(tokens, list):
-        raise ValueError("the model has no token list (tokenizer.ggml.tokens)")
+        raise TrimRejected("cannot trim: the model has no token list (tokenizer.ggml.tokens)")
     scores = field_value(reader, "tokenizer.ggml.scores")
     return Vocabulary(
         model=str(field_value(reader, "tokenizer.ggml.model")),
@@ -107,5 +108,5 @@ def _trimmed_rows(name: str, data: np.ndarray, selection: Selection, n_vocab: in
     if name not in VOCAB_TENSORS:
         return data
     if data.shape[0] != n_vocab:
-        raise ValueError(f"{name} has {data.shape[0]} rows for {n_vocab} tokens")
+        raise TrimRejected(f"cannot trim: {name} has {data.shape[0]} rows for {n_vocab} tokens")
     return np.ascontiguousarray(data[selection.kept])

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from functools import cache
 from itertools import pairwise
 
+from shared.errors import TrimRejected
+
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
 NORMAL, UNUSED, BYTE = 1, 5, 6
 BPE, SENTENCEPIECE = "gpt2", "llama"
@@ -72,9 +74,7 @@ def required_tokens(vocab: Vocabulary, also: Iterable[int] = ()) -> set[int]:
         required = {i for i, kind in enumerate(vocab.types) if kind == BYTE}
         required |= {i for i, text in enumerate(vocab.tokens) if text == SPACE}
     else:
-        raise ValueError(
-            f"cannot trim a {vocab.model!r} tokenizer (byte-level BPE or SentencePiece)"
-        )
+        raise TrimRejected(f"cannot trim a {vocab.model!r} tokenizer (BPE or SentencePiece)")
     # Unused tokens (Qwen pads its vocabulary with 271) are the only other kind that may go.
     required |= {i for i, kind in enumerate(vocab.types) if kind not in (NORMAL, UNUSED)}
     return required | set(also)
