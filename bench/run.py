@@ -139,7 +139,7 @@ def _exam_section(redis_url: str, log_dir: Path, saved: Path | None) -> str:
 def _speculation_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     rounds = 1 if quick else 3
     results: dict[str, speculation.Results] = {}
-    for model in ("qwen2.5-coder-0.5b", "smollm2-135m"):
+    for model in ("qwen2.5-coder-0.5b", "smollm2-135m", "qwen2.5-coder-1.5b"):
         # Every job decodes: no result store, no cache state carried from another suite.
         settings = _settings(redis_url, model, n_ctx=4096, n_threads=2, cache={"enabled": False})
         stack = Stack(settings, log_dir)
