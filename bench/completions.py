@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 
-from bench.conclave import document
+from bench.conclave import document, new_client, sse_chunks
 from shared.settings import Settings
 from tests.harness import Stack, free_port
 
@@ -47,16 +46,11 @@ async def complete(client: httpx.AsyncClient, url: str, text: str, max_tokens: i
     started = time.perf_counter()
     times: list[float] = []
     usage: dict[str, Any] = {}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
-            choices = chunk.get("choices") or []
-            if choices and choices[0].get("text"):
-                times.append(time.perf_counter())
-            usage = chunk.get("usage") or usage
+    async for chunk in sse_chunks(client, f"{url}/v1/completions", body):
+        choices = chunk.get("choices") or []
+        if choices and choices[0].get("text"):
+            times.append(time.perf_counter())
+        usage = chunk.get("usage") or usage
     return Stream(started, times, usage["completion_tokens"], usage["prompt_tokens"])
 
 
@@ -64,8 +58,7 @@ async def clients(url: str, texts: list[list[str]], max_tokens: int) -> list[Str
     async def one(client: httpx.AsyncClient, mine: list[str]) -> list[Stream]:
         return [await complete(client, url, t, max_tokens) for t in mine]
 
-    limits = httpx.Limits(max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with new_client() as client:
         replies = await asyncio.gather(*(one(client, mine) for mine in texts))
     return [r for mine in replies for r in mine]
 

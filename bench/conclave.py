@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,16 +110,11 @@ async def stream_chat(
     started = time.perf_counter()
     first: float | None = None
     usage: dict[str, Any] = {}
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
-            choices = chunk.get("choices") or []
-            if first is None and choices and (choices[0].get("delta") or {}).get("content"):
-                first = time.perf_counter()
-            usage = chunk.get("usage") or usage
+    async for chunk in sse_chunks(client, f"{url}/v1/chat/completions", body):
+        choices = chunk.get("choices") or []
+        if first is None and choices and (choices[0].get("delta") or {}).get("content"):
+            first = time.perf_counter()
+        usage = chunk.get("usage") or usage
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return Reply(
         started,
@@ -131,7 +126,18 @@ async def stream_chat(
     )
 
 
-def _client() -> httpx.AsyncClient:
+async def sse_chunks(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of a streamed OpenAI response, as they arrive."""
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield orjson.loads(line[6:])
+
+
+def new_client() -> httpx.AsyncClient:
     """A new connection per request: a pooled one left idle past the server's keep-alive
     timeout (llama-server's is 5 s) can be closed just as a request goes out on it, and the
     request then fails with "Server disconnected" (it did, twice, mid-run)."""
@@ -139,7 +145,7 @@ def _client() -> httpx.AsyncClient:
 
 
 async def _at_once(url: str, texts: list[str], max_tokens: int) -> list[Reply]:
-    async with _client() as client:
+    async with new_client() as client:
         return list(await asyncio.gather(*(stream_chat(client, url, t, max_tokens) for t in texts)))
 
 
@@ -149,14 +155,14 @@ async def _clients(url: str, texts: list[list[str]], max_tokens: int) -> list[Re
     async def one(client: httpx.AsyncClient, mine: list[str]) -> list[Reply]:
         return [await stream_chat(client, url, t, max_tokens) for t in mine]
 
-    async with _client() as client:
+    async with new_client() as client:
         replies = await asyncio.gather(*(one(client, mine) for mine in texts))
     return [r for mine in replies for r in mine]
 
 
 async def _long_and_short(url: str, doc: str, shorts: list[str]) -> tuple[Reply, list[Reply]]:
     question = f"{doc}\n\nWhich shelf holds the most crates of plums? Answer briefly."
-    async with _client() as client:
+    async with new_client() as client:
         long = stream_chat(client, url, question, SHORT_TOKENS)
         others = [stream_chat(client, url, t, SHORT_TOKENS, delay_s=1.0) for t in shorts]
         replies = await asyncio.gather(long, *others)

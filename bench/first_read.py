@@ -69,7 +69,7 @@ def _asks(docs: list[str]) -> list[tuple[str, str]]:
 
 
 def _client() -> httpx.AsyncClient:
-    # A new connection per request (see bench.conclave._client).
+    # A new connection per request (see bench.conclave.new_client).
     return httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_keepalive_connections=0))
 
 

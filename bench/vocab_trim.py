@@ -82,14 +82,14 @@ def trim(settings: Settings, model: str, keep: int, out_dir: Path) -> Trimmed:
     source = resolve_model(model, settings.data_dir)
     report = trim_model(source, trimmed_path(source, keep, out_dir), keep)
     docs = [d.text for d in exam.load()]
-    counts = [sum(_count(path, d) for d in docs) for path in (source, report.target)]
+    counts = [_count(path, docs) for path in (source, report.target)]
     return Trimmed(model, keep, report, (counts[0], counts[1]))
 
 
-def _count(path: Path, text: str) -> int:
+def _count(path: Path, texts: list[str]) -> int:
     with quiet_native_logs():
         llama = Llama(model_path=str(path), vocab_only=True, verbose=False)
-    return len(llama.tokenize(text.encode(), add_bos=False, special=False))
+    return sum(len(llama.tokenize(t.encode(), add_bos=False, special=False)) for t in texts)
 
 
 def speeds(
