@@ -20,7 +20,9 @@ from typing import get_args
 
 from shared.errors import InvalidRequest
 from shared.normalize.blocks import Block
-from shared.normalize.check import count_facts, missing_facts
+from shared.normalize.boilerplate import boilerplate_paragraphs, is_copyright
+from shared.normalize.check import count_facts, missing_facts, missing_subjects
+from shared.normalize.cleanup import inline
 from shared.normalize.delimited import delimited_blocks
 from shared.normalize.detect import (
     INPUT_TYPES,
@@ -29,12 +31,14 @@ from shared.normalize.detect import (
     delimiter,
     detect,
 )
+from shared.normalize.entities import contact_values
 from shared.normalize.facts import facts_lines
 from shared.normalize.guard import guard
 from shared.normalize.html import html_blocks
 from shared.normalize.markdown import markdown_blocks
 from shared.normalize.plain import plain_blocks, without_page_numbers
 from shared.normalize.render import Line, text_lines
+from shared.normalize.structure import structured
 from shared.schemas import DocumentFormat
 from shared.schemas import DocumentType as InputType
 
@@ -101,8 +105,9 @@ def normalize(
     passed: list[Normalized] = []
     for used in _fallbacks(format):
         lines = rules[used](blocks)
-        output = "\n".join(line.text for line in guard(lines))
-        lost = missing_facts(units, output)
+        kept = guard(lines)
+        output = "\n".join(line.text for line in kept)
+        lost = missing_facts(units, output) + missing_subjects(kept)
         if lost:
             missing = missing or tuple(lost)
         elif output.strip():  # (facts of a page of filler is empty: text it is, then)
@@ -134,20 +139,30 @@ def _size(text: str) -> int:
 
 def read_blocks(text: str, kind: InputType) -> list[Block]:
     if kind == "html":
-        return html_blocks(text)
+        return structured(html_blocks(text))
     if kind == "markdown":
-        return markdown_blocks(text)
+        return structured(markdown_blocks(text))
     if kind in ("csv", "tsv"):
         return delimited_blocks(text, delimiter(text, kind))
-    return plain_blocks(text)
+    return structured(plain_blocks(text))
 
 
 def _units(text: str, kind: InputType, blocks: list[Block]) -> list[str]:
     """What the self-check protects: plain text's own paragraphs (so clean-up is checked
-    too) but its page numbers, else the texts the parser read."""
-    if kind == "text":
-        return re.split(r"\n\s*\n|\f", without_page_numbers(text))
-    return [unit for block in blocks for unit in block.units()]
+    too) but its page numbers and copyright lines, and of its boilerplate only phones and
+    emails; else the texts the parser read."""
+    if kind != "text":
+        return [unit for block in blocks for unit in block.units()]
+    paragraphs = re.split(r"\n\s*\n|\f", without_page_numbers(text))
+    template = boilerplate_paragraphs([inline(paragraph) for paragraph in paragraphs])
+    units: list[str] = []
+    for paragraph, is_template in zip(paragraphs, template, strict=True):
+        if is_template:
+            units += contact_values(paragraph)
+        else:
+            lines = paragraph.split("\n")
+            units.append("\n".join("" if is_copyright(inline(line)) else line for line in lines))
+    return units
 
 
 def _report(lines: list[Line], units: list[str]) -> dict[str, int]:

@@ -7,12 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from shared.normalize.entities import contact_values
+
 BlockKind = Literal["heading", "paragraph", "item", "pair", "table"]
 # Why a parser would leave a block out; it stays if it holds a fact (see `guard`), except a
 # page number ("Page 2 of 9" at the edge of pages with running headers) and a navigation link's
 # text ("Garden", "Cart (0)" in a site's menu): they number the layout or name a page, not
-# anything the document says, so they are neither restored nor checked.
-DropReason = Literal["furniture", "header_footer", "page_number", "navigation"]
+# anything the document says, so they are neither restored nor checked. Boilerplate (a consent
+# banner, a newsletter box, a copyright line: `boilerplate`) is what the site's template says,
+# not the document: its trackers, regulation numbers and cookie lifetimes are not facts of the
+# page, only a phone or an email in it is (restored and checked if said nowhere else).
+DropReason = Literal["furniture", "header_footer", "page_number", "navigation", "boilerplate"]
 LAYOUT: frozenset[DropReason] = frozenset(["page_number", "navigation"])
 
 
@@ -40,7 +45,11 @@ class Block:
         if self.drop in LAYOUT:
             return []
         if self.kind == "table":
-            return [cell for row in (self.header, *self.rows) for cell in row if cell]
-        if self.kind == "pair":
-            return [self.label, self.text]
-        return [self.text]
+            texts = [cell for row in (self.header, *self.rows) for cell in row if cell]
+        elif self.kind == "pair":
+            texts = [self.label, self.text]
+        else:
+            texts = [self.text]
+        if self.drop == "boilerplate":
+            return [value for text in texts for value in contact_values(text)]
+        return texts

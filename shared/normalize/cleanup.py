@@ -8,6 +8,7 @@ import re
 import unicodedata
 from collections import Counter
 from collections.abc import Callable
+from itertools import pairwise
 
 from shared.normalize.blocks import DropReason
 
@@ -18,8 +19,10 @@ _DIGITS = re.compile(r"\d+")
 _BULLET = re.compile(r"^[-*•·‣▪◦]\s+")
 # "3. Contacts", "2) Pay": numbered lines stand alone but keep their number (it may be cited).
 _NUMBERED = re.compile(r"^\d{1,3}[.)]\s+")
-# A page header or footer repeats at least this often (without page breaks to go by).
+# A page header or footer repeats at least this often (without page breaks to go by), no
+# closer than this many lines (a short page).
 REPEATS = 3
+PAGE_LINES = 20
 # A line that only numbers its page: "Page 2 of 9", "Seite 2 von 9", "p. 2", "2/9", "- 2 -".
 _PAGE_NUMBER = re.compile(
     r"(?:(?:page|p\.|pag\.|pagina|seite|s\.|página|pág\.)\s*)?\d{1,4}"
@@ -47,6 +50,21 @@ def _mask(line: str) -> str:
     return _DIGITS.sub("#", line)
 
 
+# A page reference inside a line: "Page 3", "S. 3", "3 of 9", "3/9".
+_PAGE_REFERENCE = re.compile(
+    r"(?:\b(?:page|p\.|pag\.|pagina|seite|s\.|página|pág\.)\s*\d)|\d\s*(?:of|di|von|de|sur|/)\s*\d",
+    re.IGNORECASE,
+)
+
+
+def _running(line: str) -> str:
+    """What a running header or footer repeats on a document without page breaks: the line
+    with its digits masked when it refers to its page ("Page 3 of 9"), else the line as it
+    is. (Masked everywhere, a price list's "Price: £ 45 per m²" and "Price: £ 52 per m²" were
+    one line repeated, and all but the first were moved away from their products.)"""
+    return _mask(line) if _PAGE_REFERENCE.search(line) else line
+
+
 def is_page_number(line: str) -> bool:
     return _PAGE_NUMBER.fullmatch(line) is not None
 
@@ -57,7 +75,7 @@ def repeated_furniture(page_lines: list[list[str]]) -> dict[tuple[int, int], Dro
     whose first occurrence goes too (it holds no fact of the document, only of its layout).
 
     With page breaks: a line (digits masked, so "Page 2 of 9" matches "Page 3 of 9") that is
-    the first or last of at least two pages. Without: a line with letters seen `REPEATS` times.
+    the first or last of at least two pages. Without: `_running_lines`.
     """
     found: dict[tuple[int, int], DropReason] = {}
     if len(page_lines) > 1:
@@ -65,20 +83,32 @@ def repeated_furniture(page_lines: list[list[str]]) -> dict[tuple[int, int], Dro
         counts = Counter(_mask(page_lines[p][i]) for p, i in edges)
         repeated = [(p, i) for p, i in edges if counts[_mask(page_lines[p][i])] > 1]
     else:
-        lines = page_lines[0]
-        counts = Counter(_mask(line) for line in lines if re.search(r"[^\W\d_]", line))
-        repeated = [
-            (0, i) for i, line in enumerate(lines) if line and counts[_mask(line)] >= REPEATS
-        ]
+        repeated = [(0, i) for i in _running_lines(page_lines[0])]
     seen: set[str] = set()
     for p, i in repeated:
-        mask = _mask(page_lines[p][i])
+        mask = _running(page_lines[p][i]) if len(page_lines) == 1 else _mask(page_lines[p][i])
         if is_page_number(page_lines[p][i]):
             found[(p, i)] = "page_number"
         elif mask in seen:
             found[(p, i)] = "header_footer"
         seen.add(mask)
     return found
+
+
+def _running_lines(lines: list[str]) -> list[int]:
+    """Without page breaks: lines with letters seen `REPEATS` times, each at least a page's
+    `PAGE_LINES` from the one before (a price list's "Price: £ 45 per m²" under three
+    products a few lines apart is the list's, not a page's header)."""
+    at: dict[str, list[int]] = {}
+    for i, line in enumerate(lines):
+        if line and re.search(r"[^\W\d_]", line):
+            at.setdefault(_running(line), []).append(i)
+    running = [
+        places
+        for places in at.values()
+        if len(places) >= REPEATS and all(b - a >= PAGE_LINES for a, b in pairwise(places))
+    ]
+    return sorted(i for places in running for i in places)
 
 
 def _edge_lines(lines: list[str]) -> list[int]:
@@ -124,6 +154,10 @@ WRAPPED_CHARS = 50
 
 
 def _continues(prev: str, line: str) -> bool:
-    if not line or prev.endswith((".", "!", "?", ":")):
+    # A line opening with a symbol ("© 2026 …") starts something of its own; a line in
+    # capitals is a title, continued only in capitals.
+    if not line or prev.endswith((".", "!", "?", ":")) or unicodedata.category(line[0]) == "So":
+        return False
+    if prev.isupper() and not line.isupper():
         return False
     return line[0].islower() or len(prev) >= WRAPPED_CHARS

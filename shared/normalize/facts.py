@@ -66,8 +66,12 @@ def facts_lines(blocks: list[Block]) -> list[Line]:
         scope = f"{title} > " if title and not shared.isdisjoint(_labels(block)) else ""
         # A footer's lines are the page's contact and legal data (who, where, how to reach
         # them), not prose: none of them is filler.
+        # The heading is what the lines under it are about, unless the parser dropped it
+        # (a breadcrumb, a banner's title): then it is no subject.
+        about = heading if heading is not None and heading.drop in (None, "heading") else None
         for fact in _facts(block, scope, footer or title.endswith("?"), lang):
             line = Line(fact.text, section, block.drop or fact.drop)
+            line.subject = None if fact.scoped or about is None or not about.text else about
             lines.append(line)
             if heading is not None and heading.drop == "heading" and not fact.scoped:
                 heading.drop = None if line.drop is None else heading.drop

@@ -1,11 +1,12 @@
 """Never drop a fact: a line a rule would leave out is put back if it holds a value or a
-negation that no output line holds.
+negation that no output line holds, with the heading it is about. Of boilerplate (a consent
+banner), only a phone or an email no output line holds brings a line back.
 """
 
 from __future__ import annotations
 
 from shared.normalize.blocks import LAYOUT
-from shared.normalize.entities import canonical, entities, negation_windows
+from shared.normalize.entities import canonical, contact_values, entities, negation_windows
 from shared.normalize.render import Line
 
 
@@ -19,10 +20,13 @@ def guard(lines: list[Line]) -> list[Line]:
             # A duplicate's facts are in the line it repeats; filler has none by definition; a
             # page number numbers the layout, a menu link names a page.
             continue
-        values = entities(line.text)
-        negated = negation_windows(line.text)
+        template = line.drop == "boilerplate"
+        values = contact_values(line.text) if template else entities(line.text)
+        negated = [] if template else negation_windows(line.text)
         if any(v not in have for v in values) or any(w not in text for w in negated):
-            line.drop, line.restored = None, True
-            have.update(values)
-            text = f"{text} {canonical(line.text)}"
+            for restored in (line, line.subject):
+                if restored is not None and restored.drop is not None:
+                    restored.drop, restored.restored = None, True
+                    have.update(entities(restored.text))
+                    text = f"{text} {canonical(restored.text)}"
     return [line for line in lines if line.drop is None]

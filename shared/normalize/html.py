@@ -26,6 +26,7 @@ from urllib.parse import unquote
 from selectolax.lexbor import LexborHTMLParser, LexborNode
 
 from shared.normalize.blocks import Block, BlockKind, DropReason
+from shared.normalize.boilerplate import is_boilerplate
 from shared.normalize.cleanup import inline
 
 _SKIP = frozenset(
@@ -93,18 +94,20 @@ _FURNITURE_TAGS = frozenset(["nav", "form", "button", "select", "dialog"])
 _NAVIGATION_ROLES = frozenset(["navigation", "menu", "menubar"])
 _FURNITURE_ROLES = frozenset(["search", "dialog", "alertdialog"]) | _NAVIGATION_ROLES
 _FURNITURE_HINT = re.compile(
-    r"cookie|consent|gdpr|share|sharing|social|breadcrumb|navbar|menu|skip|newsletter|"
-    r"popup|modal|subscribe",
-    re.IGNORECASE,
+    r"share|sharing|social|breadcrumb|navbar|menu|skip|popup|modal", re.IGNORECASE
 )
+_BOILERPLATE_HINT = re.compile(r"cookie|consent|gdpr|newsletter|subscribe", re.IGNORECASE)
+# Elements that hold the page's content as a whole, never a banner however short the page.
+_PAGE = frozenset(["body", "main", "article"])
 _HEADINGS = frozenset(["h1", "h2", "h3", "h4", "h5", "h6"])
 _REGIONS = frozenset(["header", "footer", "aside"])
 _LISTS = frozenset(["ul", "ol"])
 # Schemes whose links carry a fact (a phone, an email), not the name of a page.
 _CONTACT_SCHEMES = ("tel:", "mailto:")
-# Where a node is: content; furniture (dropped unless it holds a fact); or navigation,
-# furniture whose page links are dropped for good.
-Region = Literal["content", "furniture", "navigation"]
+# Where a node is: content; furniture (dropped unless it holds a fact); navigation, furniture
+# whose page links are dropped for good; or boilerplate (`boilerplate`: a consent banner, a
+# newsletter box), whose only facts are a phone or an email said nowhere else.
+Region = Literal["content", "furniture", "navigation", "boilerplate"]
 
 
 def html_blocks(text: str) -> list[Block]:
@@ -119,19 +122,36 @@ def html_blocks(text: str) -> list[Block]:
 def _region(node: LexborNode, outer: Region) -> Region:
     if outer == "navigation" or _is_navigation(node):
         return "navigation"
-    return "furniture" if outer == "furniture" or _is_furniture(node) else "content"
+    if outer != "content":
+        return outer
+    if _is_boilerplate(node):
+        return "boilerplate"
+    return "furniture" if _is_furniture(node) else "content"
 
 
 def _drop(region: Region) -> DropReason | None:
-    return None if region == "content" else "furniture"
+    if region == "content":
+        return None
+    return "boilerplate" if region == "boilerplate" else "furniture"
+
+
+def _hints(node: LexborNode) -> str:
+    return " ".join(node.attributes.get(name) or "" for name in ("id", "class", "aria-label"))
 
 
 def _is_furniture(node: LexborNode) -> bool:
     attrs = node.attributes
     if node.tag in _FURNITURE_TAGS or (attrs.get("role") or "") in _FURNITURE_ROLES:
         return True
-    hints = " ".join(attrs.get(name) or "" for name in ("id", "class", "aria-label"))
-    return _FURNITURE_HINT.search(hints) is not None
+    return _FURNITURE_HINT.search(_hints(node)) is not None
+
+
+def _is_boilerplate(node: LexborNode) -> bool:
+    """A consent banner or a newsletter box: named so by its attributes, or by its words
+    when it is a small container (a banner's class may say nothing: "bx-overlay")."""
+    if _BOILERPLATE_HINT.search(_hints(node)) is not None:
+        return True
+    return node.tag not in _PAGE and is_boilerplate(inline(node.text(deep=True) or ""))
 
 
 def _is_navigation(node: LexborNode) -> bool:
@@ -211,9 +231,9 @@ class _Reader:
     def _block(self, node: LexborNode, region: Region, kind: BlockKind) -> None:
         tag, furniture = node.tag, region != "content"
         if tag == "table":
-            self._table(node, furniture)
+            self._table(node, region)
         elif tag == "dl":
-            self._definitions(node, furniture)
+            self._definitions(node, region)
         elif tag == "pre":
             for line in (node.text(deep=True) or "").splitlines():
                 self._buffer.append(line)
@@ -227,7 +247,8 @@ class _Reader:
             self.walk(node, region, inner)
             self.flush(inner, _drop(region))
 
-    def _table(self, table: LexborNode, furniture: bool) -> None:
+    def _table(self, table: LexborNode, region: Region) -> None:
+        furniture, drop = region != "content", _drop(region)
         header: tuple[str, ...] = ()
         rows: list[tuple[str, ...]] = []
         for tr, in_head in _rows(table):
@@ -242,14 +263,13 @@ class _Reader:
                 rows.append(row)
         for caption in (c for c in table.iter() if c.tag == "caption"):
             self._buffer.append(_text_of(caption, furniture))
-            self.flush("heading", "furniture" if furniture else None)
+            self.flush("heading", drop)
         if header or rows:
-            drop: DropReason | None = "furniture" if furniture else None
             self.blocks.append(Block("table", header=header, rows=tuple(rows), drop=drop))
 
-    def _definitions(self, dl: LexborNode, furniture: bool) -> None:
+    def _definitions(self, dl: LexborNode, region: Region) -> None:
         label = ""
-        drop: DropReason | None = "furniture" if furniture else None
+        furniture, drop = region != "content", _drop(region)
         for child in _flatten_divs(dl):
             if child.tag == "dt":
                 label = _text_of(child, furniture)

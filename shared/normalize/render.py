@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.normalize.blocks import Block
+from shared.normalize.cleanup import is_numbered
 
 
 @dataclass(slots=True)
@@ -19,6 +20,9 @@ class Line:
     # holds a fact.
     drop: str | None = None
     restored: bool = False
+    # The heading line that says what this line is about (`facts`, which drops headings
+    # whose lines are all filler); None where the line names it itself or has no heading.
+    subject: Line | None = None
 
 
 def text_lines(blocks: list[Block]) -> list[Line]:
@@ -33,7 +37,7 @@ def text_lines(blocks: list[Block]) -> list[Line]:
 
 def _plain(block: Block) -> list[str]:
     if block.kind == "item":
-        return [f"- {block.text}"]
+        return [block.text if is_numbered(block.text) else f"- {block.text}"]
     if block.kind == "pair":
         return [block.labelled()]
     if block.kind == "table":

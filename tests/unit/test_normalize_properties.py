@@ -1,6 +1,7 @@
 """Property: over generated documents (sections of filler, facts, negations, "label: value"
 lines, lists and tables, written as HTML, Markdown, plain text or CSV), `text` and `facts`
-pass their own self-check and every generated value and negation is in the output."""
+pass their own self-check, every generated value and negation is in the output, and in
+`facts` every value is with its section's heading (on its line, or the heading line above)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from shared.errors import InvalidRequest
 from shared.normalize import normalize
-from shared.normalize.entities import canonical, contains
+from shared.normalize.entities import Values, canonical, contains
 
 # Letters only, and none of them a negation or condition cue: filler is filler.
 WORDS = [
@@ -70,6 +71,8 @@ class Doc:
     sections: list[tuple[str, list[tuple[str, str]]]] = field(default_factory=list)
     values: list[str] = field(default_factory=list)
     negations: list[str] = field(default_factory=list)
+    # Each value with the heading of its section.
+    subjects: list[tuple[str, str]] = field(default_factory=list)
 
 
 @st.composite
@@ -100,6 +103,7 @@ def documents(draw: st.DrawFn) -> Doc:
                 }[kind]
                 parts.append((kind if kind != "fact" else "sentence", text))
         doc.sections.append((heading, parts))
+        doc.subjects += [(heading, value) for value in doc.values[len(doc.subjects) :]]
     return doc
 
 
@@ -164,6 +168,22 @@ def assert_kept(doc: Doc, source: str, fmt: str) -> None:
         assert contains(out, canonical(value)), (value, source, result.text)
     for negation in doc.negations:
         assert canonical(negation) in out, (negation, result.text)
+    if result.used == "facts":
+        assert_with_subjects(doc, result.text)
+
+
+def assert_with_subjects(doc: Doc, facts: str) -> None:
+    lines = [canonical(line).casefold() for line in facts.split("\n")]
+    headings = {heading.casefold() for heading, _ in doc.sections}
+
+    def about(at: int) -> str | None:
+        return next((line for line in reversed(lines[:at]) if line in headings), None)
+
+    for heading, value in doc.subjects:
+        subject, value = heading.casefold(), canonical(value).casefold()
+        # (A value may be in two sections: one of its lines is this section's.)
+        found = [n for n, line in enumerate(lines) if contains(line, value)]
+        assert any(subject in lines[n] or about(n) == subject for n in found), (subject, facts)
 
 
 CHECKS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -208,6 +228,15 @@ MIXED = st.one_of(
     st.text(ANY_TEXT, max_size=300),
     st.lists(st.one_of(PIECES, st.text(ANY_TEXT, max_size=8)), max_size=60).map("".join),
 )
+
+
+@CHECKS
+@given(
+    st.text(st.sampled_from("12.,€ aX-/:\n"), max_size=40),
+    st.sampled_from(["12", "1.2", "€ 12", "X-12", "12,5"]),
+)
+def test_values_index_finds_what_a_search_finds(text: str, value: str) -> None:
+    assert Values(text).contains(value) == contains(canonical(text), value)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
