@@ -123,12 +123,14 @@ def _extraction_section(redis_url: str, log_dir: Path) -> str:
 def _exam_section(redis_url: str, log_dir: Path, saved: Path | None) -> str:
     docs = exam.load()
     if saved is not None:  # answers of an earlier run, graded again: no model runs
-        settings = _settings(redis_url, exam.MODELS[0], n_ctx=4096, n_threads=2)
+        settings = _settings(redis_url, exam.MODELS[0], n_ctx=exam.N_CTX, n_threads=2)
         return exam.section(exam.regraded(saved, docs), docs, settings)
     runs: list[exam.Run] = []
     for model in exam.MODELS:
         # Cache off: every run prefills its document cold, so TTFT follows its tokens.
-        settings = _settings(redis_url, model, n_ctx=4096, n_threads=2, cache={"enabled": False})
+        settings = _settings(
+            redis_url, model, n_ctx=exam.N_CTX, n_threads=2, cache={"enabled": False}
+        )
         runs += exam.measure(settings, log_dir, docs)
     DATA_DIR.mkdir(parents=True, exist_ok=True)
     (DATA_DIR / "exam-answers.json").write_bytes(exam.answers_json(runs, docs))
