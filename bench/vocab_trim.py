@@ -191,7 +191,11 @@ def _exam(settings: Settings, log_dir: Path, out_dir: Path) -> str:
     ]
     for name, path in files.items():
         chosen = settings.model_copy(
-            update={"model": path, "cache": settings.cache.model_copy(update={"enabled": False})}
+            update={
+                "model": path,
+                "n_ctx": exam.N_CTX,
+                "cache": settings.cache.model_copy(update={"enabled": False}),
+            }
         )
         runs = exam.measure(chosen, log_dir, docs, formats=EXAM_FORMATS)
         for fmt in EXAM_FORMATS:

@@ -70,4 +70,3 @@ def test_parts_assemble_only_into_the_expected_file(tmp_path: Path) -> None:
     with pytest.raises(ModelUnavailable, match="reinstall"):
         assemble(parts, other, len(whole), hashlib.sha256(whole).hexdigest())
     assert sorted(p.name for p in other.parent.iterdir()) == ["m.gguf"]  # nothing half-made
-
