@@ -1,7 +1,7 @@
 """Blocks into `facts`: one fact per line as "label: value".
 
 - "label: value" lines, definition lists and questions with their answers (a `<details>`
-  block) stay as they are;
+  block, a question line or heading with its answer: `structure`) stay as they are;
 - a table row becomes its cells, each with its column header ("Room: Double; Price: 120 EUR");
   without headers the first cell labels the rest;
 - a paragraph is split into sentences; one carrying a number, date, price, duration, phone,
@@ -16,7 +16,8 @@ A label binds its value; a heading is a line of its own, once, above its section
 prefixes a line only where the line's label is under another heading too ("Double room >
 Price: 120 EUR", "Single room > Price: 85 EUR"): there it tells the values apart. Repeating
 every heading before every line made `facts` longer than `text` (rueckgabe.html: a 5-word
-heading before each of 7 sentences that carry their own subject).
+heading before each of 7 sentences that carry their own subject). Each line records its
+heading as its `subject`: the check fails a value output without it.
 """
 
 from __future__ import annotations
@@ -64,11 +65,11 @@ def facts_lines(blocks: list[Block]) -> list[Line]:
             continue
         title = heading.text if heading is not None else ""
         scope = f"{title} > " if title and not shared.isdisjoint(_labels(block)) else ""
-        # A footer's lines are the page's contact and legal data (who, where, how to reach
-        # them), not prose: none of them is filler.
         # The heading is what the lines under it are about, unless the parser dropped it
         # (a breadcrumb, a banner's title): then it is no subject.
         about = heading if heading is not None and heading.drop in (None, "heading") else None
+        # A footer's lines are the page's contact and legal data (who, where, how to reach
+        # them), not prose: none of them is filler.
         for fact in _facts(block, scope, footer or title.endswith("?"), lang):
             line = Line(fact.text, section, block.drop or fact.drop)
             line.subject = None if fact.scoped or about is None or not about.text else about
