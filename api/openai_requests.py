@@ -7,12 +7,17 @@ fields that only label a request are ignored.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.errors import InvalidRequest
 from shared.schemas import CACHE, MAX_STOP_SEQUENCES, SPECIAL_TOKENS, JobRequest, Message, Text
+
+# `n` choices are `n` jobs on the same prompt (a worker reads it once: the later ones follow
+# the first's prefill); more than this many is a 400.
+MAX_CHOICES = 16
 
 
 class StreamOptions(BaseModel):
@@ -79,8 +84,8 @@ class _Common(BaseModel):
     cache: bool = Field(True, description=CACHE)
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise InvalidRequest("only n=1 is supported", field="n")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequest(f"n must be from 1 to {MAX_CHOICES}", field="n")
         if self.logprobs not in (None, False, 0):
             raise InvalidRequest("logprobs are not supported", field="logprobs")
         if self.logit_bias:
@@ -97,6 +102,20 @@ class _Common(BaseModel):
             "stop": self.stop,
             "cache": self.cache,
         }
+
+    @abstractmethod
+    def job_request(self) -> JobRequest: ...
+
+    def job_requests(self) -> list[JobRequest]:
+        """One job per distinct choice. Greedy choices are all the same text (granary's greedy
+        output depends on nothing but the prompt), so `n` of them are one job, its text given
+        `n` times; sampled choice i is sampled with `seed + i` when a seed is given (so the
+        whole response repeats), else each with a seed of its own."""
+        job = self.job_request()
+        if self.n == 1 or self.temperature == 0:
+            return [job]
+        seeds = [None if self.seed is None else (self.seed + i) % 2**32 for i in range(self.n)]
+        return [job.model_copy(update={"seed": seed}) for seed in seeds]
 
 
 class CompletionRequest(_Common):

@@ -111,8 +111,8 @@ def test_repeated_document_reports_cached_tokens(stack: Stack) -> None:
 
 def test_unsupported_fields_are_refused_by_name(stack: Stack) -> None:
     api = client(stack)
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        api.completions.create(model="x", prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be"):
+        api.completions.create(model="x", prompt="hi", n=17)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         api.completions.create(model="x", prompt="hi", logit_bias={"1": 5})
     with pytest.raises(openai.BadRequestError, match="stop"):
@@ -124,6 +124,57 @@ def test_unsupported_fields_are_refused_by_name(stack: Stack) -> None:
     # Labels that do not change the output are accepted and ignored.
     ok = api.completions.create(model="x", prompt="hi", max_tokens=2, user="u1", presence_penalty=0)
     assert ok.choices
+
+
+def test_n_sampled_choices_share_one_prefill_and_repeat_by_seed(stack: Stack) -> None:
+    api = client(stack)
+    messages: Any = [{"role": "user", "content": DOC + "\nWhich city?"}]
+    asked = {"model": "x", "messages": messages, "max_tokens": 10, "temperature": 1.0}
+    before = job_ids(stack)
+    whole = api.chat.completions.create(**asked, n=3, seed=5)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    # Choice i is what a request of its own with seed 5 + i gives.
+    alone = [api.chat.completions.create(**asked, seed=5 + i) for i in range(3)]
+    assert [c.message.content for c in whole.choices] == [
+        a.choices[0].message.content for a in alone
+    ]
+    assert len({c.message.content for c in whole.choices}) > 1  # sampled: they differ
+    assert whole.usage is not None and alone[0].usage is not None
+    assert whole.usage.prompt_tokens == alone[0].usage.prompt_tokens  # counted once
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone if a.usage)
+    # The three jobs read the prompt once: two of them took the first one's cells.
+    views = [httpx.get(f"{stack.url}/v1/jobs/{j}").json() for j in job_ids(stack) - before]
+    first_three = sorted(views, key=lambda v: v["created_at"])[:3]
+    reused = sorted(v["usage"]["cached_tokens"] for v in first_three)
+    assert reused[1] >= whole.usage.prompt_tokens - 2, reused
+    streamed = api.chat.completions.create(**asked, n=3, seed=5, stream=True)
+    texts = ["", "", ""]
+    finished = set()
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert texts == [c.message.content for c in whole.choices] and finished == {0, 1, 2}
+
+
+def test_n_greedy_choices_are_one_answer_given_n_times(stack: Stack) -> None:
+    api = client(stack)
+    one = api.completions.create(model="x", prompt=COUNTING, max_tokens=8, temperature=0)
+    two = api.completions.create(model="x", prompt=COUNTING, max_tokens=8, temperature=0, n=2)
+    assert [c.text for c in two.choices] == [one.choices[0].text] * 2
+    assert two.usage is not None and one.usage is not None
+    assert two.usage.completion_tokens == one.usage.completion_tokens  # decoded once
+    chunks = list(
+        api.completions.create(
+            model="x", prompt=COUNTING, max_tokens=8, temperature=0, n=2, stream=True
+        )
+    )
+    for index in (0, 1):
+        text = "".join(
+            c.choices[0].text for c in chunks if c.choices and c.choices[0].index == index
+        )
+        assert text == one.choices[0].text
 
 
 def test_a_client_that_gives_up_waiting_cancels_its_job(stack: Stack) -> None:
