@@ -18,6 +18,7 @@ from bench import (
     attention_rows,
     batch_rows,
     chat_document,
+    choices,
     chunk_shape,
     cold_prefill,
     conclave,
@@ -204,6 +205,11 @@ def _vocab_trim_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     return vocab_trim.section(settings, log_dir, rounds=1 if quick else 3, with_exam=not quick)
 
 
+def _choices_section(redis_url: str, log_dir: Path, quick: bool) -> str:
+    settings = _settings(redis_url, choices.MODEL, n_ctx=4096, n_threads=2)
+    return choices.section(settings, log_dir, rounds=1 if quick else 3)
+
+
 def _models_section(redis_url: str, log_dir: Path) -> str:
     return models.section(_settings(redis_url, "smollm2-135m", n_threads=2), log_dir)
 
@@ -256,6 +262,7 @@ def main() -> None:
             "exam",
             "vocab_trim",
             "models",
+            "choices",
         ],
         help="one suite, printed, not written (unless --write)",
     )
@@ -325,6 +332,7 @@ def main() -> None:
             "exam": lambda: [_exam_section(redis_url, log_dir, args.exam_runs)],
             "vocab_trim": lambda: [_vocab_trim_section(redis_url, log_dir, args.quick)],
             "models": lambda: [_models_section(redis_url, log_dir)],
+            "choices": lambda: [_choices_section(redis_url, log_dir, args.quick)],
         }
         sections = []
         for name, suite in suites.items():
