@@ -87,14 +87,12 @@ def _questions_with_answers(blocks: list[Block]) -> list[Block]:
     while i < len(blocks):
         question = blocks[i]
         end = i + 1
-        while (
-            end < len(blocks)
-            and _answers(blocks[end])
-            and (question.kind == "heading" or end == i + 1)
-        ):
-            end += 1
+        if _asks(question):
+            last = len(blocks) if question.kind == "heading" else i + 2
+            while end < last and _answers(blocks[end]):
+                end += 1
         answer = blocks[i + 1 : end]
-        if not _asks(question) or not answer:
+        if not answer:
             out.append(question)
             i += 1
             continue
@@ -126,11 +124,11 @@ def _answers(block: Block) -> bool:
 
 
 def _joined(answer: list[Block]) -> str:
-    text = ""
-    for block in answer:
-        joint = "; " if block.kind == "item" and text else " "
-        text = f"{text}{joint}{block.text}" if text else block.text
-    return text
+    """An answer's paragraphs as sentences of one line, its list items separated by "; "."""
+    joined = answer[0].text
+    for block in answer[1:]:
+        joined += ("; " if block.kind == "item" else " ") + block.text
+    return joined
 
 
 def _leads_as_headings(blocks: list[Block]) -> list[Block]:
@@ -141,7 +139,7 @@ def _leads_as_headings(blocks: list[Block]) -> list[Block]:
     region = False
     for n, block in enumerate(blocks):
         if block.kind == "heading":
-            region = block.label in _REGIONS if not block.text else False
+            region = not block.text and block.label in _REGIONS
         elif not region and _is_lead(block) and _labels_values(blocks, n + 1):
             out[n] = Block("heading", block.text)
     return out
