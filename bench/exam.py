@@ -1,9 +1,12 @@
 """The accuracy exam for `document_format`: does reading a document as `text` or `facts` keep
 the answers a model gives from it as sent (`raw`)?
 
-Four documents written for this project (`bench/exam_docs/`: an Italian shop's home page as
+Six documents written for this project (`bench/exam_docs/`: an Italian shop's home page as
 HTML, an English invoice as a PDF-to-text tool gives it, an English report of Markdown tables,
-a German returns-and-warranty page as HTML), each with its questions in a TOML file beside it.
+a German returns-and-warranty page as HTML, an Italian flooring services page copied out of a
+browser as plain text and a German removals page as HTML, the last two with price lines under
+product names, short FAQ answers, a cookie banner and a dense footer), each with its questions
+in a TOML file beside it; `web_page` marks the pages `facts` has its targets on.
 Every document is sent in every format, with all its questions in one `POST /v1/extractions`
 job, to a real API and worker per model (the full job path), greedy. Recorded per run: the
 document's tokens after normalisation (the job's `document` report; raw: its tokens_before),
