@@ -90,6 +90,10 @@ def boilerplate_paragraphs(paragraphs: list[str]) -> list[bool]:
     """Which paragraphs of a page are boilerplate, unless together they would be more than
     `MAX_SHARE` of its words: then the document is about what they name."""
     found = [is_boilerplate(paragraph) for paragraph in paragraphs]
-    total = sum(len(paragraph.split()) for paragraph in paragraphs)
-    dropped = sum(len(p.split()) for p, flag in zip(paragraphs, found, strict=True) if flag)
-    return found if dropped <= MAX_SHARE * total else [False] * len(paragraphs)
+    dropped = [p for p, flag in zip(paragraphs, found, strict=True) if flag]
+    return found if within_share(dropped, paragraphs) else [False] * len(paragraphs)
+
+
+def within_share(dropped: list[str], texts: list[str]) -> bool:
+    """Whether the `dropped` texts are at most `MAX_SHARE` of the words of all `texts`."""
+    return sum(len(t.split()) for t in dropped) <= MAX_SHARE * sum(len(t.split()) for t in texts)

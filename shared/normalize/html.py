@@ -26,7 +26,7 @@ from urllib.parse import unquote
 from selectolax.lexbor import LexborHTMLParser, LexborNode
 
 from shared.normalize.blocks import Block, BlockKind, DropReason
-from shared.normalize.boilerplate import is_boilerplate
+from shared.normalize.boilerplate import is_boilerplate, within_share
 from shared.normalize.cleanup import inline
 
 _SKIP = frozenset(
@@ -111,20 +111,30 @@ Region = Literal["content", "furniture", "navigation", "boilerplate"]
 
 
 def html_blocks(text: str) -> list[Block]:
+    """The page's blocks; read again without recognising banners by their words when those
+    would be most of the page (a short cookie policy in one `<div>` is about cookies)."""
     tree = LexborHTMLParser(text)
-    reader = _Reader()
+    blocks = _read(tree, by_words=True)
+    dropped = [b.text for b in blocks if b.drop == "boilerplate"]
+    if within_share(dropped, [b.text for b in blocks]):
+        return blocks
+    return _read(tree, by_words=False)
+
+
+def _read(tree: LexborHTMLParser, *, by_words: bool) -> list[Block]:
+    reader = _Reader(by_words)
     if tree.body is not None:
         reader.walk(tree.body, "content", kind="paragraph")
         reader.flush("paragraph", None)
     return reader.blocks
 
 
-def _region(node: LexborNode, outer: Region) -> Region:
+def _region(node: LexborNode, outer: Region, by_words: bool) -> Region:
     if outer == "navigation" or _is_navigation(node):
         return "navigation"
     if outer != "content":
         return outer
-    if _is_boilerplate(node):
+    if _is_boilerplate(node, by_words):
         return "boilerplate"
     return "furniture" if _is_furniture(node) else "content"
 
@@ -146,12 +156,14 @@ def _is_furniture(node: LexborNode) -> bool:
     return _FURNITURE_HINT.search(_hints(node)) is not None
 
 
-def _is_boilerplate(node: LexborNode) -> bool:
-    """A consent banner or a newsletter box: named so by its attributes, or by its words
-    when it is a small container (a banner's class may say nothing: "bx-overlay")."""
+def _is_boilerplate(node: LexborNode, by_words: bool) -> bool:
+    """A consent banner or a newsletter box: named so by its attributes, or (`by_words`) by
+    its words when it is a small container (a banner's class may say nothing: "bx-overlay")."""
     if _BOILERPLATE_HINT.search(_hints(node)) is not None:
         return True
-    return node.tag not in _PAGE and is_boilerplate(inline(node.text(deep=True) or ""))
+    if not by_words or node.tag in _PAGE:
+        return False
+    return is_boilerplate(inline(node.text(deep=True) or ""))
 
 
 def _is_navigation(node: LexborNode) -> bool:
@@ -189,7 +201,8 @@ def _names_a_page(link: LexborNode) -> bool:
 
 
 class _Reader:
-    def __init__(self) -> None:
+    def __init__(self, by_words: bool) -> None:
+        self.by_words = by_words
         self.blocks: list[Block] = []
         self._buffer: list[str] = []
 
@@ -226,7 +239,7 @@ class _Reader:
             else:
                 # The text read so far is this node's, not the child's: it keeps this region.
                 self.flush(kind, _drop(region))
-                self._block(child, _region(child, region), kind)
+                self._block(child, _region(child, region, self.by_words), kind)
 
     def _block(self, node: LexborNode, region: Region, kind: BlockKind) -> None:
         tag, furniture = node.tag, region != "content"

@@ -88,7 +88,7 @@ def _questions_with_answers(blocks: list[Block]) -> list[Block]:
         question = blocks[i]
         end = i + 1
         if _asks(question):
-            last = len(blocks) if question.kind == "heading" else i + 2
+            last = len(blocks) if question.kind == "heading" else min(i + 2, len(blocks))
             while end < last and _answers(blocks[end]):
                 end += 1
         answer = blocks[i + 1 : end]

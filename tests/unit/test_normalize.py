@@ -380,6 +380,9 @@ def test_a_page_about_cookies_keeps_them() -> None:
     )
     result = normalize("COOKIE POLICY\n\n" + policy, "text")
     assert "13 months" in result.text and "dropped_boilerplate" not in result.kept
+    # A short page in one <div> whose words a banner's would be, all of it.
+    page = f"<div class='page'><h1>Cookies</h1><p>{policy}</p></div>"
+    assert "13 months" in normalize(page, "text").text
 
 
 def test_a_dense_run_is_one_fact_per_piece_but_prose_with_dashes_is_not() -> None:
@@ -408,6 +411,7 @@ def test_questions_keep_their_answers_and_price_lists_their_items() -> None:
     facts = out.split("\n")
     assert "When can I walk on it? After 24 hours." in facts
     assert "Do you work on Saturdays? No." in facts
+    assert normalize("Intro\n\nWhy?", "text").text == "Intro\nWhy?"  # a last, unanswered one
     assert "Skirting: £ 9 per metre" in facts
     # The same line three times a few lines apart is the page's, not a running header.
     # (Sent as `text` here, where the heading above names them, or as `facts`, inline.)
