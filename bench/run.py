@@ -33,6 +33,7 @@ from bench import (
     restore,
     result_cache,
     routing,
+    sheet,
     speculation,
     vocab_trim,
     warm,
@@ -205,6 +206,13 @@ def _vocab_trim_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     return vocab_trim.section(settings, log_dir, rounds=1 if quick else 3, with_exam=not quick)
 
 
+def _sheet_section(redis_url: str, log_dir: Path) -> str:
+    settings = _settings(
+        redis_url, sheet.MODEL, n_ctx=exam.N_CTX, n_threads=2, cache={"enabled": False}
+    )
+    return sheet.section(settings, log_dir)
+
+
 def _choices_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     settings = _settings(redis_url, choices.MODEL, n_ctx=4096, n_threads=2)
     return choices.section(settings, log_dir, rounds=1 if quick else 3)
@@ -263,6 +271,7 @@ def main() -> None:
             "vocab_trim",
             "models",
             "choices",
+            "sheet",
         ],
         help="one suite, printed, not written (unless --write)",
     )
@@ -333,6 +342,7 @@ def main() -> None:
             "vocab_trim": lambda: [_vocab_trim_section(redis_url, log_dir, args.quick)],
             "models": lambda: [_models_section(redis_url, log_dir)],
             "choices": lambda: [_choices_section(redis_url, log_dir, args.quick)],
+            "sheet": lambda: [_sheet_section(redis_url, log_dir)],
         }
         sections = []
         for name, suite in suites.items():
