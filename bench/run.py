@@ -28,6 +28,7 @@ from bench import (
     job_path,
     machine,
     models,
+    normalize_size,
     prefix_cache,
     prompt_kernels,
     restore,
@@ -272,6 +273,7 @@ def main() -> None:
             "models",
             "choices",
             "sheet",
+            "normalize_size",
         ],
         help="one suite, printed, not written (unless --write)",
     )
@@ -343,6 +345,7 @@ def main() -> None:
             "models": lambda: [_models_section(redis_url, log_dir)],
             "choices": lambda: [_choices_section(redis_url, log_dir, args.quick)],
             "sheet": lambda: [_sheet_section(redis_url, log_dir)],
+            "normalize_size": lambda: [normalize_size.section()],
         }
         sections = []
         for name, suite in suites.items():
