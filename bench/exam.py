@@ -185,9 +185,15 @@ def _body(doc: ExamDocument, fmt: str) -> dict[str, Any]:
 
 def _extract(stack: Stack, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     """One extraction job followed over SSE: (client TTFT in ms, the final job view)."""
+    return follow(stack, "/v1/extractions", body)
+
+
+def follow(stack: Stack, path: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """A job POSTed to `path`, followed over SSE to its end: (client TTFT in ms, the final
+    job view)."""
     with httpx.Client(base_url=stack.url, timeout=1800) as client:
         started = time.perf_counter()
-        reply = client.post("/v1/extractions", json=body)
+        reply = client.post(path, json=body)
         reply.raise_for_status()
         job_id = reply.json()["id"]
         first: float | None = None

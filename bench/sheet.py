@@ -15,10 +15,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import httpx
-from httpx_sse import connect_sse
 
 from bench import exam
 from shared.normalize import normalize
@@ -56,26 +52,12 @@ def write_sheet(stack: Stack, doc: exam.ExamDocument) -> Sheet:
         "temperature": 0,
     }
     started = time.perf_counter()
-    view = _finished(stack, body)
+    _, view = exam.follow(stack, "/v1/jobs", body)
     seconds = time.perf_counter() - started
     text = view["result"]["text"].strip()
     source = Values(normalize(doc.text, "text").text)
     invented = tuple(dict.fromkeys(v for v in entities(text) if not source.contains(v)))
     return Sheet(doc.name, text, view["usage"]["completion_tokens"], seconds, invented)
-
-
-def _finished(stack: Stack, body: dict[str, Any]) -> dict[str, Any]:
-    with httpx.Client(base_url=stack.url, timeout=1800) as client:
-        reply = client.post("/v1/jobs", json=body)
-        reply.raise_for_status()
-        job_id = reply.json()["id"]
-        with connect_sse(client, "GET", f"/v1/jobs/{job_id}/events") as source:
-            for sse in source.iter_sse():
-                if sse.event in ("done", "error"):
-                    break
-        view: dict[str, Any] = client.get(f"/v1/jobs/{job_id}").json()
-    assert view["status"] == "finished", view
-    return view
 
 
 def measure(settings: Settings, log_dir: Path) -> tuple[list[Sheet], list[exam.Run]]:

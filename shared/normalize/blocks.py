@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.normalize.entities import contact_values
+from shared.normalize.entities import contact_values, entities
 
 BlockKind = Literal["heading", "paragraph", "item", "pair", "table"]
 # Why a parser would leave a block out; it stays if it holds a fact (see `guard`), except a
@@ -19,6 +19,12 @@ BlockKind = Literal["heading", "paragraph", "item", "pair", "table"]
 # page, only a phone or an email in it is (restored and checked if said nowhere else).
 DropReason = Literal["furniture", "header_footer", "page_number", "navigation", "boilerplate"]
 LAYOUT: frozenset[DropReason] = frozenset(["page_number", "navigation"])
+
+
+def protected_values(text: str, drop: str | None) -> list[str]:
+    """The values in `text` nothing may lose: all of them, but of boilerplate only phones and
+    emails (what the check asks of a block, and what brings a dropped line back)."""
+    return contact_values(text) if drop == "boilerplate" else entities(text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,5 +57,5 @@ class Block:
         else:
             texts = [self.text]
         if self.drop == "boilerplate":
-            return [value for text in texts for value in contact_values(text)]
+            return [value for text in texts for value in protected_values(text, self.drop)]
         return texts

@@ -5,8 +5,8 @@ banner), only a phone or an email no output line holds brings a line back.
 
 from __future__ import annotations
 
-from shared.normalize.blocks import LAYOUT
-from shared.normalize.entities import canonical, contact_values, entities, negation_windows
+from shared.normalize.blocks import LAYOUT, protected_values
+from shared.normalize.entities import canonical, entities, negation_windows
 from shared.normalize.render import Line
 
 
@@ -20,9 +20,8 @@ def guard(lines: list[Line]) -> list[Line]:
             # A duplicate's facts are in the line it repeats; filler has none by definition; a
             # page number numbers the layout, a menu link names a page.
             continue
-        template = line.drop == "boilerplate"
-        values = contact_values(line.text) if template else entities(line.text)
-        negated = [] if template else negation_windows(line.text)
+        values = protected_values(line.text, line.drop)
+        negated = [] if line.drop == "boilerplate" else negation_windows(line.text)
         if any(v not in have for v in values) or any(w not in text for w in negated):
             for restored in (line, line.subject):
                 if restored is not None and restored.drop is not None:

@@ -110,12 +110,12 @@ def _line_block(line: str, *, heading_allowed: bool) -> Block:
     found = pair(line)
     if found is not None:
         return Block("pair", found[1], label=found[0])
-    if heading_allowed and _looks_like_heading(line):
+    if heading_allowed and looks_like_heading(line):
         return Block("heading", line.rstrip(":").strip())
     return Block("paragraph", line)
 
 
-def _looks_like_heading(line: str) -> bool:
+def looks_like_heading(line: str) -> bool:
     """The first line of a paragraph that is a short title, not a sentence."""
     words = line.split()
     return len(words) <= _MAX_HEADING_WORDS and not line.endswith((".", ",", ";", "!", "?"))

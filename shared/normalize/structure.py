@@ -18,14 +18,12 @@ from dataclasses import replace
 from shared.normalize import boilerplate
 from shared.normalize.blocks import Block
 from shared.normalize.entities import entities
-from shared.normalize.plain import MAX_ANSWER_WORDS, is_question, pair
+from shared.normalize.plain import MAX_ANSWER_WORDS, is_question, looks_like_heading, pair
 
 # An em or en dash, a bar, a middle dot or a bullet, spaced, between the pieces of a run.
 _RUN_SEPARATOR = re.compile(r"\s+[\u2014\u2013|·•]\s+")
 _MIN_RUN_PIECES = 3
 _MAX_PIECE_WORDS = 12
-_MAX_LEAD_WORDS = 8
-_SENTENCE_END = (".", ",", ";", ":", "!", "?")
 _REGIONS = ("header", "footer", "aside")
 
 
@@ -146,13 +144,15 @@ def _leads_as_headings(blocks: list[Block]) -> list[Block]:
 
 
 def _is_lead(block: Block) -> bool:
+    """A paragraph that reads as a title (plain text's heading test), starts with a capital
+    and introduces nothing itself (no closing colon, not "label: value")."""
     text = block.text
     return (
         block.kind == "paragraph"
         and block.drop is None
-        and 0 < len(text.split()) <= _MAX_LEAD_WORDS
-        and text[0].isupper()
-        and not text.endswith(_SENTENCE_END)
+        and text[:1].isupper()
+        and not text.endswith(":")
+        and looks_like_heading(text)
         and pair(text) is None
     )
 
