@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from cli.client import GranaryClient
 from shared.errors import InvalidRequest
+from shared.job_metrics import LOW_AGREEMENT
 from shared.settings import Settings
 
 POLL_S = 1.0
@@ -27,7 +28,8 @@ def extract_from_cli(args: argparse.Namespace, settings: Settings) -> int:
         body["questions"] = [{"id": str(i + 1), "question": q} for i, q in enumerate(args.question)]
     else:
         raise InvalidRequest("give --question (one or more) or --fields FILE")
-    for name in ("instructions", "max_tokens", "temperature", "document_format", "document_type"):
+    names = ("instructions", "max_tokens", "temperature", "samples", "seed")
+    for name in (*names, "document_format", "document_type"):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
     job = client.extract(body)
@@ -38,7 +40,20 @@ def extract_from_cli(args: argparse.Namespace, settings: Settings) -> int:
         k: a["text"] for k, a in extraction.get("answers", {}).items()
     }
     sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode() + "\n")
+    _print_agreement(extraction.get("answers", {}))
     return 0 if final.get("status") == "finished" else 1
+
+
+def _print_agreement(answers: dict[str, Any]) -> None:
+    """Voted answers: how many samples agreed, on standard error (standard output stays the
+    answers alone); those below 0.6 are the ones worth checking."""
+    votes = {k: a["vote"] for k, a in answers.items() if a.get("vote")}
+    for key, vote in votes.items():
+        check = "  <- check" if vote["agreement"] < LOW_AGREEMENT else ""
+        agreeing = round(vote["agreement"] * vote["counted"])
+        sys.stderr.write(
+            f"agreement {key}: {vote['agreement']:.2f} ({agreeing} of {vote['counted']}){check}\n"
+        )
 
 
 def _follow_answers(client: GranaryClient, job_id: str, total: int) -> dict[str, Any]:

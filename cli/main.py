@@ -49,6 +49,13 @@ def _parser() -> argparse.ArgumentParser:
     extract.add_argument("--instructions", help="system instructions")
     extract.add_argument("--max-tokens", type=int, default=None, help="per answer")
     extract.add_argument("--temperature", type=float, default=None)
+    extract.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="vote over N answers per question (needs a --temperature)",
+    )
+    extract.add_argument("--seed", type=int, default=None, help="makes a vote reproducible")
     extract.add_argument("--url", default=None, help="API base URL (default: from settings)")
     _document_options(extract)
     batch = sub.add_parser("batch", help="run a JSON Lines file of extraction requests")

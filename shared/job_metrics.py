@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from redis import Redis
 
 from shared import keys
-from shared.schemas import SpeculationReport, Timings, Usage
+from shared.schemas import ExtractionResult, SpeculationReport, Timings, Usage
 
 # Upper bounds; the last bucket (+Inf) is implicit.
 HISTOGRAMS: dict[str, tuple[float, ...]] = {
@@ -58,6 +58,25 @@ def record_speculation(redis: Redis, report: SpeculationReport) -> None:
         pipe.hincrby(keys.metrics_counters(), "speculation_drafted_tokens", report.drafted)
         pipe.hincrby(keys.metrics_counters(), "speculation_accepted_tokens", report.accepted)
         pipe.execute()
+
+
+# Voted extraction answers, and those whose winner fewer than this share of samples agreed on:
+# the answers worth a person's check.
+VOTE_COUNTERS = {
+    "voted_answers": "Extraction answers decided by a vote",
+    "low_agreement_answers": "Voted answers with agreement below 0.6",
+}
+LOW_AGREEMENT = 0.6
+
+
+def record_votes(redis: Redis, result: ExtractionResult) -> None:
+    votes = [a.vote for a in result.answers.values() if a.vote is not None]
+    if votes:
+        low = sum(v.agreement < LOW_AGREEMENT for v in votes)
+        with redis.pipeline(transaction=False) as pipe:
+            pipe.hincrby(keys.metrics_counters(), "voted_answers", len(votes))
+            pipe.hincrby(keys.metrics_counters(), "low_agreement_answers", low)
+            pipe.execute()
 
 
 def read_counters(redis: Redis) -> dict[str, int]:

@@ -95,12 +95,14 @@ def _input(order: WorkOrder | ExtractOrder) -> dict[str, Any]:
         # The text the model reads and how it is tokenized (control spans, the prefix end):
         # everything a request's prompt, messages, document and special_tokens decided.
         return {"kind": "generate", "prompt": order.prompt.model_dump(mode="json")}
-    return {
+    extract = {
         "kind": "extract",
         "document": order.document.model_dump(mode="json"),  # already normalised
         "questions": [q.model_dump(mode="json") for q in order.questions],
         "fields": order.fields,
     }
+    # One answer per question keeps the keys results were stored under before votes existed.
+    return extract if order.samples == 1 else {**extract, "samples": order.samples}
 
 
 def _digest(material: dict[str, Any]) -> str:

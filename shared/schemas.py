@@ -157,6 +157,9 @@ def _check_special_tokens(request: JobRequest | WarmItem) -> None:
 
 QuestionId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 MAX_QUESTIONS = 256
+# Voted answers: samples per question, and the streams one extraction may ask for in all.
+MAX_SAMPLES = 16
+MAX_SAMPLED_ANSWERS = 1024
 
 
 class ExtractionQuestion(BaseModel):
@@ -171,9 +174,13 @@ class ExtractionRequest(SamplingParams, DocumentFields):
 
     `fields` ({"name": "description"}) asks one question per field and also returns the
     answers as one JSON object. `max_tokens` is per answer. Greedy by default.
+
+    `samples` > 1 votes: sample 0 is the greedy answer, the others sample at `temperature`
+    (seeded from `seed`), and the answer most of them agree on wins (worker/vote.py).
     """
 
     temperature: float = Field(0.0, ge=0.0, le=2.0)
+    samples: int = Field(1, ge=1, le=MAX_SAMPLES)
     # As on jobs.
     speculation: Speculation | None = None
     cache: bool = Field(True, description=CACHE)
@@ -189,6 +196,16 @@ class ExtractionRequest(SamplingParams, DocumentFields):
         ids = [q.id for q in self.questions or []]
         if len(set(ids)) != len(ids):
             raise ValueError("question ids must be unique")
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(
+                "'samples' above 1 votes over sampled answers: give a 'temperature' above 0 "
+                "(sample 0 stays greedy)"
+            )
+        asked = len(self.questions or self.fields or ()) * self.samples
+        if asked > MAX_SAMPLED_ANSWERS:
+            raise ValueError(
+                f"questions x samples is {asked}: at most {MAX_SAMPLED_ANSWERS} answers per request"
+            )
         return self
 
     def as_questions(self) -> list[ExtractionQuestion]:
@@ -333,6 +350,7 @@ class ExtractOrder(BaseModel):
     top_p: float
     seed: int
     stop: list[str]
+    samples: int = 1
     cache_namespace: str | None = None
     speculation: Speculation = "off"
     result_key: ResultKey | None = None
@@ -393,11 +411,29 @@ class JobResult(BaseModel):
     finish_reason: FinishReason
 
 
+class Variant(BaseModel):
+    text: str
+    votes: int
+
+
+class Vote(BaseModel):
+    """How a voted answer's samples agreed (`samples` > 1)."""
+
+    # The winner's votes over the samples counted.
+    agreement: float
+    # Samples decoded to their end; once no other answer could win, the rest were stopped.
+    counted: int
+    samples: int
+    # Distinct answers, most votes first (ties: the lowest sample's); the first is the answer.
+    variants: list[Variant]
+
+
 class Answer(BaseModel):
     text: str
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
+    vote: Vote | None = None
 
 
 class ExtractionResult(BaseModel):

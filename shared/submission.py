@@ -111,6 +111,7 @@ def extract_order_for(
         top_p=request.top_p,
         seed=request.seed if request.seed is not None else secrets.randbelow(2**32),
         stop=request.stop,
+        samples=request.samples,
         speculation=request.speculation or default_speculation,
     )
 

@@ -17,10 +17,11 @@ import llama_cpp
 from llama_cpp import Llama
 
 from shared.llm import token_bytes
-from shared.schemas import Answer, ExtractOrder, FinishReason, Timings, Usage
+from shared.schemas import Answer, ExtractOrder, FinishReason, Timings, Usage, Vote
 from worker.resume import Streamed, text_stream
 from worker.text_stream import TextStream
 from worker.token_publisher import TokenPublisher
+from worker.vote import Ballot
 
 # Called with (the token a text piece came from, None for text released at the end, the piece);
 # returns True to stop (the job was cancelled).
@@ -118,7 +119,7 @@ def end_text(stream: TextStream, decoded: Decoded, on_token: OnToken) -> Decoded
 
 @dataclass(frozen=True, slots=True)
 class QuestionEnd:
-    """How one question's decoding ended: its new tokens and times."""
+    """How one sample of a question ended: its new tokens and times."""
 
     tokens: list[int]
     finish_reason: Finish
@@ -127,8 +128,26 @@ class QuestionEnd:
 
 
 @dataclass
+class _Votes:
+    """A voted question while its samples decode (sample 0's text stream is the question's)."""
+
+    ballot: Ballot
+    streams: dict[int, TextStream]  # samples 1 and on
+    finishes: dict[int, FinishReason] = field(default_factory=dict)
+    ended: int = 0
+    tokens: int = 0  # every sample's, those stopped once the vote was decided included
+    first: QuestionEnd | None = None  # sample 0's end: the answer's times
+
+
+@dataclass
 class Answering:
-    """The text side of an extraction's questions while they decode: streams, stops, cancel."""
+    """The text side of an extraction's questions while they decode: streams, stops, votes,
+    cancel.
+
+    A question with one sample streams its tokens and answers when it ends. A voted question
+    (`samples` > 1) streams sample 0's tokens (the greedy answer) and answers once its vote is
+    decided (worker/vote.py); its other samples are read silently.
+    """
 
     llama: Llama
     order: ExtractOrder
@@ -139,6 +158,7 @@ class Answering:
     offset_ms: float
     streamed: Streamed
     streams: list[TextStream] = field(init=False)
+    votes: dict[int, _Votes] = field(init=False)
     answers: dict[str, Answer] = field(init=False)
     cancelled: bool = False
     drifted: bool = False  # see worker.outcomes.Extracted.reproducible
@@ -147,59 +167,126 @@ class Answering:
     accepted: int = 0
 
     def __post_init__(self) -> None:
-        llama, stop = self.llama, self.order.stop
+        llama, stop, samples = self.llama, self.order.stop, self.order.samples
         self.streams = [
             text_stream(llama, stop, self.streamed.of(q.id)) for q in self.order.questions
         ]
+        self.votes = {}
+        if samples > 1:
+            self.votes = {
+                index: _Votes(Ballot(samples), {s: TextStream(stop) for s in range(1, samples)})
+                for index in range(len(self.order.questions))
+            }
         self.answers = dict(self.streamed.answers)
 
-    def open_questions(self) -> list[int]:
-        """Questions still to decode; those the earlier attempt took to the end end now."""
-        open_ = []
-        for index, question in enumerate(self.order.questions):
-            if question.id in self.answers:
-                continue
-            if self.streams[index].stopped or self.budget(index) <= 0:
-                self.on_answer(index, QuestionEnd([], "length", None, None))
-            else:
-                open_.append(index)
-        return open_
+    def open_samples(self) -> list[tuple[int, int]]:
+        """(question, sample) pairs still to decode, every question's sample 0 first, then
+        every question's sample 1, and so on: a vote has its first samples before any has its
+        later ones, which it may never need. A sample 0 the earlier attempt took to its end
+        ends now."""
+        runs = []
+        for sample in range(self.order.samples):
+            for index, question in enumerate(self.order.questions):
+                if question.id in self.answers:
+                    continue
+                if sample == 0 and (self.streams[index].stopped or self.budget(index) <= 0):
+                    self.on_end(index, 0, QuestionEnd([], "length", None, None))
+                else:
+                    runs.append((index, sample))
+        return [(i, s) for i, s in runs if self.order.questions[i].id not in self.answers]
 
-    def budget(self, index: int) -> int:
-        return self.order.max_tokens - len(self.streamed.of(self.order.questions[index].id))
+    def budget(self, index: int, sample: int = 0) -> int:
+        resumed = self.streamed.of(self.order.questions[index].id) if sample == 0 else []
+        return self.order.max_tokens - len(resumed)
 
-    def on_token(self, index: int, token: int) -> bool:
+    def on_token(self, index: int, sample: int, token: int) -> bool:
+        """A sample's token; True stops the sample (its stop string, a cancelled job)."""
+        piece = token_bytes(self.llama, token)
+        if sample > 0:
+            stream = self.votes[index].streams[sample]
+            stream.feed(piece)
+            self.cancelled = self.cancelled or self.publisher.cancelled.is_set()
+            return self.cancelled or stream.stopped
         stream = self.streams[index]
-        piece = stream.feed(token_bytes(self.llama, token))
-        if self.publisher.token(token, piece, question=self.order.questions[index].id):
+        text = stream.feed(piece)
+        if self.publisher.token(token, text, question=self.order.questions[index].id):
             self.cancelled = True
         return self.cancelled or stream.stopped
 
-    def on_answer(self, index: int, end: QuestionEnd) -> None:
-        stream = self.streams[index]
-        tail = stream.flush()
-        question = self.order.questions[index].id
-        if tail:
-            self.publisher.token(None, tail, question=question)
-        finish: FinishReason = end.finish_reason
+    def on_end(self, index: int, sample: int, end: QuestionEnd) -> bool:
+        """A sample ended; True when that made the question's answer final."""
+        if self.order.questions[index].id in self.answers:
+            return False  # a sample the decided vote stopped
+        if sample == 0:
+            self._flush(index)
+        votes = self.votes.get(index)
+        if votes is None:
+            self._answer(index, self.streams[index].text, self._finish(index, 0, end), end)
+            return True
+        return self._vote(index, sample, end, votes)
+
+    def _vote(self, index: int, sample: int, end: QuestionEnd, votes: _Votes) -> bool:
+        votes.ended += 1
+        votes.tokens += len(end.tokens)
+        if sample == 0:
+            votes.first = end
+        ballot = votes.ballot
+        if not self.cancelled:
+            if sample > 0:  # sample 0's text was flushed as it was published
+                votes.streams[sample].flush()
+            ballot.end(sample, self._stream(index, sample).text)
+            votes.finishes[sample] = self._finish(index, sample, end)
+        if not ballot.complete and votes.ended < self.order.samples:
+            return False
+        first = votes.first or QuestionEnd([], "length", None, None)
+        if not ballot.complete:  # the job was cancelled
+            self._answer(index, self.streams[index].text, "cancelled", first, votes.tokens)
+            return True
+        winner = ballot.winner()
+        text, finish = ballot.text(winner), votes.finishes[winner]
+        self._answer(index, text, finish, first, votes.tokens, ballot.outcome())
+        return True
+
+    def _stream(self, index: int, sample: int) -> TextStream:
+        return self.streams[index] if sample == 0 else self.votes[index].streams[sample]
+
+    def _finish(self, index: int, sample: int, end: QuestionEnd) -> FinishReason:
         if self.cancelled:
-            finish = "cancelled"
-        elif stream.stopped:
-            finish = "stop"
+            return "cancelled"
+        return "stop" if self._stream(index, sample).stopped else end.finish_reason
+
+    def _flush(self, index: int) -> None:
+        """Publish the text sample 0's stream held back for a stop string that never came."""
+        tail = self.streams[index].flush()
+        if tail:
+            self.publisher.token(None, tail, question=self.order.questions[index].id)
+
+    def _answer(
+        self,
+        index: int,
+        text: str,
+        finish: FinishReason,
+        first: QuestionEnd,
+        sampled_tokens: int | None = None,
+        vote: Vote | None = None,
+    ) -> None:
+        question = self.order.questions[index].id
         resumed = len(self.streamed.of(question))
+        decoded = len(first.tokens) if sampled_tokens is None else sampled_tokens
         view = Answer(
-            text=stream.text,
+            text=text,
             finish_reason=finish,
             usage=Usage(
                 prompt_tokens=self.prompt_tokens[index],
                 cached_tokens=self.cached,
-                completion_tokens=resumed + len(end.tokens),
+                completion_tokens=resumed + decoded,
                 resumed_tokens=resumed,
             ),
             timings=Timings(
-                ttft_ms=None if end.ttft_ms is None else end.ttft_ms + self.offset_ms,
-                decode_tokens_per_s=end.decode_tokens_per_s,
+                ttft_ms=None if first.ttft_ms is None else first.ttft_ms + self.offset_ms,
+                decode_tokens_per_s=first.decode_tokens_per_s,
             ),
+            vote=vote,
         )
         self.answers[question] = view
         self.publisher.answer(question, view)

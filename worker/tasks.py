@@ -16,7 +16,7 @@ from rq import get_current_job
 from rq.job import Job
 
 from shared import keys
-from shared.job_metrics import record_job, record_speculation
+from shared.job_metrics import record_job, record_speculation, record_votes
 from shared.job_store import JobStore
 from shared.prefix_cache import CounterPublisher
 from shared.prefix_usage import PrefixUsage
@@ -211,6 +211,8 @@ class Runtime:
         record_job(self._redis, usage, timings)
         if speculation is not None:
             record_speculation(self._redis, speculation)
+        if isinstance(result, ExtractionResult) and not cancelled:
+            record_votes(self._redis, result)
         if self._counters is not None:
             self._counters.publish()
 

@@ -91,7 +91,7 @@ class GranaryCollector(Collector):
             yield CounterMetricFamily(
                 f"granary_{name}", name.replace("_", " "), value=counters.get(name, 0)
             )
-        for name, text in RESULT_CACHE_COUNTERS.items():
+        for name, text in (RESULT_CACHE_COUNTERS | job_metrics.VOTE_COUNTERS).items():
             yield CounterMetricFamily(f"granary_{name}", text, value=counters.get(name, 0))
         for name in job_metrics.TOKEN_COUNTERS:
             yield CounterMetricFamily(

@@ -51,8 +51,11 @@ class DoesNotFit(ContextOverflow):
 
 
 @dataclass
-class _Question:
-    index: int  # in the order's questions
+class _Run:
+    """One sample of one question as it decodes."""
+
+    index: int  # the question's, in the order's questions
+    sample: int
     tokens: list[int] = field(default_factory=list)
     first_at: float | None = None
     last_at: float | None = None
@@ -93,9 +96,9 @@ def extract(
         prompt_tokens = [len(prefix) + len(t) for t in tails]
         offset_ms = (prefilled - started) * 1000
         answering = Answering(llama, order, publisher, prompt_tokens, cached, offset_ms, streamed)
-        open_ = answering.open_questions()
-        if open_:
-            _answer(conclave, order, answering, prefix, tails, open_, priority)
+        runs = [_Run(i, s) for i, s in answering.open_samples()]
+        if runs:
+            _answer(conclave, order, answering, prefix, tails, runs, priority)
     return extraction_outcome(order, answering, prefix, tails, cached, started, prefilled, streamed)
 
 
@@ -105,57 +108,81 @@ def _answer(
     answering: Answering,
     prefix: list[int],
     tails: list[list[int]],
-    open_: list[int],
+    runs: list[_Run],
     priority: int,
 ) -> None:
-    """Submit every open question as a stream of its own, all sharing one event queue."""
+    """Submit every open sample as a stream of its own, all sharing one event queue; a
+    question whose answer is final stops its other samples."""
     events: queue.SimpleQueue[tuple[StreamHandle, Event]] = queue.SimpleQueue()
     started = time.perf_counter()
-    questions = [_Question(i) for i in open_]
+    by_question: dict[int, list[StreamHandle]] = {}
     with contextlib.ExitStack() as stack:
-        handles = []
-        for j, i in enumerate(open_):
-            resumed = answering.streamed.of(order.questions[i].id)
-            tokens = [*prefix, *tails[i], *resumed]
-            # As a generation job resumes: its streamed tokens start a chunk after the prompt.
-            resumed_from = len(prefix) + len(tails[i]) - 1 if resumed else None
-            request = StreamRequest(
-                tokens,
-                chunk_breaks(len(prefix), resumed_from, limit=len(tokens) - 1),
-                order.cache_namespace,
-                priority,
-                max_new=answering.budget(i),
-                sampling=Sampling(order.temperature, order.top_p, (order.seed + i) % 2**32),
-                speculation=order.speculation,
+        for tag, run in enumerate(runs):
+            request = _request(order, answering, prefix, tails, run, priority)
+            handle = conclave.handle(request, partial(_on_token, answering, run), events, tag=tag)
+            by_question.setdefault(run.index, []).append(
+                stack.enter_context(conclave.submit(handle))
             )
-            on_token = partial(_on_token, answering, questions[j])
-            handle = conclave.handle(request, on_token, events, tag=j)
-            handles.append(stack.enter_context(conclave.submit(handle)))
-        live = len(handles)
-        while live:
-            handle, event = handles[0].next_tagged()
-            live -= _on_event(answering, questions[handle.tag], expect(event), started)
+        for _ in runs:
+            handle, event = _next_end(events)
+            run = runs[handle.tag]
+            if _on_end(answering, run, event, started):
+                for other in by_question[run.index]:
+                    other.cancel()
 
 
-def _on_token(answering: Answering, question: _Question, event: Token) -> bool:
-    """Model thread: a question's token goes out at once; True stops the question."""
-    question.tokens.append(event.token)
-    question.first_at = question.first_at or event.at
-    question.last_at = event.at
-    return answering.on_token(question.index, event.token)
+def _request(
+    order: ExtractOrder,
+    answering: Answering,
+    prefix: list[int],
+    tails: list[list[int]],
+    run: _Run,
+    priority: int,
+) -> StreamRequest:
+    """A sample's stream. Sample 0 carries on from what an earlier attempt streamed; a voted
+    question's sample 0 is greedy. Sample s of question i draws with seed + i + s x questions."""
+    i = run.index
+    resumed = answering.streamed.of(order.questions[i].id) if run.sample == 0 else []
+    tokens = [*prefix, *tails[i], *resumed]
+    # As a generation job resumes: its streamed tokens start a chunk after the prompt.
+    resumed_from = len(prefix) + len(tails[i]) - 1 if resumed else None
+    seed = (order.seed + i + run.sample * len(order.questions)) % 2**32
+    greedy = order.samples > 1 and run.sample == 0
+    return StreamRequest(
+        tokens,
+        chunk_breaks(len(prefix), resumed_from, limit=len(tokens) - 1),
+        order.cache_namespace,
+        priority,
+        max_new=answering.budget(i, run.sample),
+        sampling=Sampling(0.0 if greedy else order.temperature, order.top_p, seed),
+        speculation=order.speculation,
+    )
 
 
-def _on_event(answering: Answering, question: _Question, event: Event | None, t0: float) -> int:
-    """Job thread: pass a question's end on; returns 1 when the question ended."""
-    if not isinstance(event, Ended):
-        return 0
+def _next_end(events: queue.SimpleQueue[tuple[StreamHandle, Event]]) -> tuple[StreamHandle, Ended]:
+    """The next stream of the job to end (tokens went to `on_token` on the model thread)."""
+    while True:
+        handle, event = events.get()
+        if isinstance(expect(event), Ended):
+            return handle, event  # type: ignore[return-value]
+
+
+def _on_token(answering: Answering, run: _Run, event: Token) -> bool:
+    """Model thread: a sample's token goes out at once; True stops the sample."""
+    run.tokens.append(event.token)
+    run.first_at = run.first_at or event.at
+    run.last_at = event.at
+    return answering.on_token(run.index, run.sample, event.token)
+
+
+def _on_end(answering: Answering, run: _Run, event: Ended, t0: float) -> bool:
+    """Job thread: pass a sample's end on; True when its question's answer is final."""
     finish: Finish = "length" if event.reason == "length" else "stop"
     answering.drifted = answering.drifted or event.drifted
     answering.drafted += event.drafted
     answering.accepted += event.accepted
-    ttft = ((question.first_at or event.at) - t0) * 1000
+    ttft = ((run.first_at or event.at) - t0) * 1000
     rate = None
-    if question.first_at and question.last_at and question.last_at > question.first_at:
-        rate = (len(question.tokens) - 1) / (question.last_at - question.first_at)
-    answering.on_answer(question.index, QuestionEnd(question.tokens, finish, ttft, rate))
-    return 1
+    if run.first_at and run.last_at and run.last_at > run.first_at:
+        rate = (len(run.tokens) - 1) / (run.last_at - run.first_at)
+    return answering.on_end(run.index, run.sample, QuestionEnd(run.tokens, finish, ttft, rate))
