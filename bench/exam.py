@@ -171,7 +171,7 @@ class Run:
         return sum(1 for i, g in self.grades.items() if g == grade and i in ids)
 
 
-def _body(doc: ExamDocument, fmt: str) -> dict[str, Any]:
+def body(doc: ExamDocument, fmt: str) -> dict[str, Any]:
     return {
         "document": doc.text,
         "document_format": fmt,
@@ -217,12 +217,12 @@ def run_model(
     # an exam document here would give its first run a head start): first-request costs.
     warm_up = {"document": "Warm-up note: the office opens at 9:00.", "document_format": "text"}
     _extract(
-        stack, {**_body(docs[0], "raw"), **warm_up, "questions": [{"id": "w", "question": "Hi?"}]}
+        stack, {**body(docs[0], "raw"), **warm_up, "questions": [{"id": "w", "question": "Hi?"}]}
     )
     runs: list[Run] = []
     for doc in docs:
         for fmt in formats:
-            ttft, view = _extract(stack, _body(doc, fmt))
+            ttft, view = _extract(stack, body(doc, fmt))
             answers = {q: a["text"].strip() for q, a in view["extraction"]["answers"].items()}
             report = view.get("document") or {}
             runs.append(

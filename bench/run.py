@@ -37,8 +37,11 @@ from bench import (
     sheet,
     speculation,
     vocab_trim,
+    votes,
     warm,
 )
+from shared.errors import ModelUnavailable
+from shared.models import resolve_model
 from shared.redis_server import private_redis
 from shared.settings import Settings
 from tests.harness import REPO, Stack, free_port
@@ -219,6 +222,22 @@ def _choices_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     return choices.section(settings, log_dir, rounds=1 if quick else 3)
 
 
+def _votes_sections(redis_url: str, log_dir: Path) -> list[str]:
+    """Qwen 0.5B, and the 1.5B where it is installed (`pip install 'granary-llm[qwen15b]'`)."""
+    sections = []
+    for model in (exam.MODELS[0], exam.MODELS[2]):
+        settings = _settings(
+            redis_url, model, n_ctx=exam.N_CTX, n_threads=2, cache={"enabled": False}
+        )
+        try:
+            resolve_model(model, settings.data_dir)
+        except ModelUnavailable as exc:
+            sections.append(f"## Voted extraction answers ({model})\n\nNot measured: {exc}\n")
+            continue
+        sections.append(votes.section(settings, log_dir))
+    return sections
+
+
 def _models_section(redis_url: str, log_dir: Path) -> str:
     return models.section(_settings(redis_url, "smollm2-135m", n_threads=2), log_dir)
 
@@ -273,6 +292,7 @@ def main() -> None:
             "models",
             "choices",
             "sheet",
+            "votes",
             "normalize_size",
         ],
         help="one suite, printed, not written (unless --write)",
@@ -345,6 +365,7 @@ def main() -> None:
             "models": lambda: [_models_section(redis_url, log_dir)],
             "choices": lambda: [_choices_section(redis_url, log_dir, args.quick)],
             "sheet": lambda: [_sheet_section(redis_url, log_dir)],
+            "votes": lambda: _votes_sections(redis_url, log_dir),
             "normalize_size": lambda: [normalize_size.section()],
         }
         sections = []

@@ -180,20 +180,21 @@ class Answering:
         self.answers = dict(self.streamed.answers)
 
     def open_samples(self) -> list[tuple[int, int]]:
-        """(question, sample) pairs still to decode, every question's sample 0 first, then
-        every question's sample 1, and so on: a vote has its first samples before any has its
-        later ones, which it may never need. A sample 0 the earlier attempt took to its end
+        """(question, sample) pairs still to decode, a question's samples together: they
+        arrive side by side, so one reads the question after the document and the others fork
+        its cells (a sample admitted later would find them overwritten and read it again,
+        which costs more than its answer). A sample 0 the earlier attempt took to its end
         ends now."""
         runs = []
-        for sample in range(self.order.samples):
-            for index, question in enumerate(self.order.questions):
+        for index, question in enumerate(self.order.questions):
+            for sample in range(self.order.samples):
                 if question.id in self.answers:
-                    continue
+                    break
                 if sample == 0 and (self.streams[index].stopped or self.budget(index) <= 0):
                     self.on_end(index, 0, QuestionEnd([], "length", None, None))
                 else:
                     runs.append((index, sample))
-        return [(i, s) for i, s in runs if self.order.questions[i].id not in self.answers]
+        return runs
 
     def budget(self, index: int, sample: int = 0) -> int:
         resumed = self.streamed.of(self.order.questions[index].id) if sample == 0 else []
