@@ -13,6 +13,8 @@ import numpy as np
 import numpy.typing as npt
 
 Logits = npt.NDArray[np.float32]
+Ints = npt.NDArray[np.intp]
+Floats = npt.NDArray[np.float64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +40,27 @@ def sample(logits: Logits, sampling: Sampling, rng: np.random.Generator) -> int:
     probs /= probs.sum()
     if sampling.top_p >= 1:
         return int(rng.choice(len(probs), p=probs))
-    order = np.argsort(-probs, kind="stable")
-    cumulative = np.cumsum(probs[order])
+    order, cumulative = _ranking_head(probs, sampling.top_p)
     # The smallest head of the ranking whose mass reaches top_p, never empty.
-    keep = min(int(np.searchsorted(cumulative, sampling.top_p)) + 1, len(order))
+    keep = min(int(np.searchsorted(cumulative, sampling.top_p)) + 1, len(probs))
     head = probs[order[:keep]]
     return int(order[rng.choice(keep, p=head / head.sum())])
+
+
+def _ranking_head(probs: npt.NDArray[np.float64], top_p: float) -> tuple[Ints, Floats]:
+    """The tokens by probability, highest first (ties by id), with their cumulative mass, at
+    least until that mass reaches `top_p`: the head of what a full stable sort gives, with
+    the same sums, from a partial one. A full sort of 151,936 probabilities took 17 ms of a
+    sampled token's 22 on the model thread, where every decoding stream waits for it."""
+    n = len(probs)
+    count = 64
+    while count < n:
+        threshold = np.partition(probs, n - count)[n - count]  # the count-th highest
+        head = np.flatnonzero(probs >= threshold)  # ties with it too, in id order
+        order = head[np.argsort(-probs[head], kind="stable")]
+        cumulative = np.cumsum(probs[order])  # summed in order: the full sort's first sums
+        if cumulative[-1] >= top_p:
+            return order, cumulative
+        count *= 16
+    order = np.argsort(-probs, kind="stable")
+    return order, np.cumsum(probs[order])

@@ -70,11 +70,17 @@ def chat_prompts(engine: ConclaveEngine) -> list[list[int]]:
 
 
 def run(engine: ConclaveEngine, prompts: list[list[int]]) -> list[tuple[list[int], Ended]]:
-    """Submit every prompt at once; each stream's tokens and its end."""
+    """Submit every prompt at once, greedy; each stream's tokens and its end."""
+    return run_requests(engine, [StreamRequest(t, (), None, 0, max_new=48) for t in prompts])
+
+
+def run_requests(
+    engine: ConclaveEngine, requests: list[StreamRequest]
+) -> list[tuple[list[int], Ended]]:
+    """Submit every request at once; each stream's tokens and its end."""
     submitted = []
-    for tokens in prompts:
+    for request in requests:
         out: list[int] = []
-        request = StreamRequest(tokens, (), None, 0, max_new=48, sampling=Sampling())
 
         def keep(token: Token, out: list[int] = out) -> bool:
             out.append(token.token)
@@ -110,6 +116,26 @@ def test_near_ties_replay_at_most_once_where_rows_differ(
     assert max(replays) <= 1
     assert sum(replays) >= 2, "no near tie met: the rule went untested"
     assert not any(ended.drifted for _, ended in together)
+
+
+def test_streams_writing_the_same_tokens_share_rows_and_each_writes_its_own_run(
+    engine: ConclaveEngine,
+) -> None:
+    """One prompt, greedy twice and sampled at several temperatures (votes, `n` choices):
+    while streams agree they share rows, and each writes what it writes alone, also when the
+    cells a twin left behind are reused."""
+    prompt = chat_prompts(engine)[0]
+    samplings = [Sampling(), Sampling(), Sampling(1.0, 0.95, 7)]
+    samplings += [Sampling(0.3, 0.95, seed) for seed in range(1, 4)]
+    requests = [StreamRequest(prompt, (), None, 0, max_new=32, sampling=s) for s in samplings]
+    alone = [run_requests(engine, [request])[0][0] for request in requests]
+    shared = engine.conclave.twin_rows
+    together = run_requests(engine, requests)
+    assert [out for out, _ in together] == alone
+    # The greedy pair is one run: all but its first row or two are shared.
+    assert engine.conclave.twin_rows - shared >= len(alone[0]) - 2
+    assert not any(ended.drifted for _, ended in together)
+    assert [out for out, _ in run_requests(engine, requests)] == alone
 
 
 def test_the_start_up_decodes_on_the_thread_that_serves_and_its_failure_is_raised() -> None:

@@ -105,6 +105,13 @@ class _Stream:
     led_priority: int | None = None
     # Decoding with `speculation` on or auto, on row-invariant kernels (drafts.py).
     drafts: StreamDrafts | None = None
+    # Twins (see `_pair_twins`): a stream that has written every token another one has reads
+    # that one's rows instead of computing its own; its own sequence holds cells
+    # [0, own_until) only until it parts.
+    twin_of: _Stream | None = None
+    twins: list[_Stream] = field(default_factory=list)
+    own_until: int = 0
+    ended: bool = False
 
     @property
     def request(self) -> StreamRequest:
@@ -146,6 +153,7 @@ class Conclave:
         # What decode passes cost by their rows, and the most rows one may have and stay exact.
         self._pass_cost = PassCost()
         self._acceptance = Acceptance()  # of every drafting stream's guesses
+        self.twin_rows = 0  # tokens drawn from another stream's row (`_pair_twins`)
         self._max_rows = exact_row_limit()
         mem = llama_cpp.llama_get_memory(llama.ctx)
         self._mem = mem
@@ -282,6 +290,8 @@ class Conclave:
         self._sweep()
         self._start_waiting()
         worked = self._prefill()
+        if worked:  # a prefill that just ended starts its followers, in time for its first step
+            self._start_waiting()
         worked = self._step() or worked
         self._note_held()
         return worked
@@ -502,7 +512,8 @@ class Conclave:
     def _step(self) -> bool:
         """One token for every decoding stream: the batched passes `plan_decode` makes, then
         one pass for each stream decoded alone."""
-        decoding = [s for s in self._streams if s.state is _State.DECODING]
+        self._pair_twins()
+        decoding = [s for s in self._streams if s.state is _State.DECODING and s.twin_of is None]
         if not decoding:
             return False
         # One run of increasing sequence ids, or llama.cpp makes a pass per run (memory.py);
@@ -521,6 +532,51 @@ class Conclave:
         for key in plan.alone:
             self._lone_step(streams[key])
         return True
+
+    def _pair_twins(self) -> None:
+        """Streams whose tokens are all the same from the start (the samples of one question
+        while they agree, `n` choices) share rows from now on: the first computes each row and
+        the others draw their own token from its logits, which are theirs bit for bit on
+        row-invariant kernels. A twin whose token differs parts with a copy of the first's
+        cells (`_part`). Only streams without drafts, pending snapshots or lone decoding."""
+        if not self.rows_invariant:
+            return
+        firsts: dict[tuple[str | None, int, int], list[_Stream]] = {}
+        for stream in self._streams:  # in arrival order: the earliest leads
+            if not self._may_twin(stream):
+                continue
+            key = (stream.request.namespace, stream.pos, stream.next_token)
+            candidates = firsts.setdefault(key, [])
+            assert stream.resident is not None
+            lead = next(
+                (c for c in candidates if c.resident.tokens == stream.resident.tokens),  # type: ignore[union-attr]
+                None,
+            )
+            if lead is None or stream.twins:
+                candidates.append(stream)
+                continue
+            stream.twin_of, stream.own_until = lead, stream.pos
+            lead.twins.append(stream)
+
+    def _may_twin(self, stream: _Stream) -> bool:
+        return (
+            stream.state is _State.DECODING
+            and stream.twin_of is None
+            and not stream.alone
+            and stream.drafts is None
+            and not stream.snapshots
+            and not stream.handle.cancelled.is_set()
+        )
+
+    def _part(self, twin: _Stream) -> None:
+        """`twin` computes its own rows from now on, on a copy of its lead's cells (the same
+        tokens, and the lead's are written up to where the twin is)."""
+        lead = twin.twin_of
+        assert lead is not None and lead.resident is not None and twin.resident is not None
+        self._memory.copy(lead.resident, twin.resident)
+        twin.own_until = lead.pos
+        twin.twin_of = None
+        lead.twins.remove(twin)
 
     def _decoding(self, stream: _Stream) -> Decoding:
         """The stream as `plan_decode` sees it, with the drafts it could add now."""
@@ -625,8 +681,20 @@ class Conclave:
         stream.replays += 1
 
     def _take(self, stream: _Stream, logits: Logits) -> bool:
-        """The cell for `next_token` is written: sample what follows it. False once the
-        stream ended or is to end (a stop string, a cancel) before its next step."""
+        """The cell for `next_token` is written: sample what follows it, and each twin from
+        the same logits. False once the stream ended or is to end (a stop string, a cancel)
+        before its next step."""
+        twins = list(stream.twins)  # before the take, which may end the stream
+        going = self._take_own(stream, logits)
+        for twin in twins:
+            self.twin_rows += 1
+            twin.exact_until = twin.pos + 1
+            self._take_own(twin, logits)
+            if twin.twin_of is stream and not twin.ended and twin.next_token != stream.next_token:
+                self._part(twin)
+        return going
+
+    def _take_own(self, stream: _Stream, logits: Logits) -> bool:
         assert stream.resident is not None and stream.rng is not None
         stream.resident.tokens.append(stream.next_token)
         stream.pos += 1
@@ -647,6 +715,14 @@ class Conclave:
 
     def _end(self, stream: _Stream, reason: EndReason | None) -> None:
         """Finish a stream; its sequence stays resident for reuse. `None`: already said."""
+        for twin in list(stream.twins):  # they go on alone, before its cells can be reused
+            if not twin.handle.cancelled.is_set():  # (a cancelled one ends at the next sweep)
+                self._part(twin)
+        if stream.twin_of is not None:  # its own cells end where it stopped computing them
+            assert stream.resident is not None
+            self._memory.keep(stream.resident, stream.own_until)
+            stream.twin_of.twins.remove(stream)
+            stream.twin_of = None
         if stream.resident is not None:
             self._save_snapshots(stream)
         if reason is not None:
@@ -667,6 +743,11 @@ class Conclave:
         self._forget_stream(stream)
 
     def _fail(self, stream: _Stream, exc: Exception) -> None:
+        for twin in list(stream.twins):  # its rows were theirs
+            self._fail(twin, exc)
+        if stream.twin_of is not None:
+            stream.twin_of.twins.remove(stream)
+            stream.twin_of = None
         log.exception("stream failed", exc_info=exc)
         stream.handle.put(Failed(exc))
         if stream.resident is not None:
@@ -685,6 +766,7 @@ class Conclave:
         self._note_held()
 
     def _forget_stream(self, stream: _Stream) -> None:
+        stream.ended = True
         self._streams.remove(stream)
         with self._lock:
             self._committed -= 1

@@ -148,6 +148,16 @@ class Memory:
         resident.used_at = time.monotonic()
         return resident
 
+    def copy(self, source: Resident, target: Resident) -> None:
+        """Give busy `target` a copy of `source`'s buffer: their cells hold the same tokens up
+        to where `source`'s end (a twin parting, worker/conclave/loop.py)."""
+        llama_cpp.llama_memory_seq_cp(self._mem, source.seq, target.seq, -1, -1)
+        self._copy_sources.add(source.seq)
+
+    def keep(self, resident: Resident, cells: int) -> None:
+        """Only cells [0, `cells`) of `resident` hold what its tokens say."""
+        self._cut(resident, cells)
+
     def copies_pending_from(self, seq: int) -> bool:
         """Whether a queued copy still reads `seq`: a state loaded into it first would be what
         the copy gets, so the loader must have a decode run before (see `copies_made`)."""
