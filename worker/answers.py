@@ -134,7 +134,6 @@ class _Votes:
     ballot: Ballot
     streams: dict[int, TextStream]  # samples 1 and on
     finishes: dict[int, FinishReason] = field(default_factory=dict)
-    ended: int = 0
     tokens: int = 0  # every sample's, those stopped once the vote was decided included
     first: QuestionEnd | None = None  # sample 0's end: the answer's times
 
@@ -196,6 +195,10 @@ class Answering:
                     runs.append((index, sample))
         return runs
 
+    def needed(self, index: int) -> int:
+        """The fewest more samples of a voted question that could decide its vote."""
+        return self.votes[index].ballot.needed()
+
     def budget(self, index: int, sample: int = 0) -> int:
         resumed = self.streamed.of(self.order.questions[index].id) if sample == 0 else []
         return self.order.max_tokens - len(resumed)
@@ -227,26 +230,30 @@ class Answering:
         return self._vote(index, sample, end, votes)
 
     def _vote(self, index: int, sample: int, end: QuestionEnd, votes: _Votes) -> bool:
-        votes.ended += 1
         votes.tokens += len(end.tokens)
         if sample == 0:
             votes.first = end
-        ballot = votes.ballot
-        if not self.cancelled:
-            if sample > 0:  # sample 0's text was flushed as it was published
-                votes.streams[sample].flush()
-            ballot.end(sample, self._stream(index, sample).text)
-            votes.finishes[sample] = self._finish(index, sample, end)
-        if not ballot.complete and votes.ended < self.order.samples:
+        if self.cancelled:  # what a cancelled job's samples wrote does not count
             return False
-        first = votes.first or QuestionEnd([], "length", None, None)
-        if not ballot.complete:  # the job was cancelled
-            self._answer(index, self.streams[index].text, "cancelled", first, votes.tokens)
-            return True
+        if sample > 0:  # sample 0's text was flushed as it was published
+            votes.streams[sample].flush()
+        ballot = votes.ballot
+        ballot.end(sample, self._stream(index, sample).text)
+        votes.finishes[sample] = self._finish(index, sample, end)
+        if not ballot.complete:
+            return False
         winner = ballot.winner()
+        first = votes.first or QuestionEnd([], "length", None, None)
         text, finish = ballot.text(winner), votes.finishes[winner]
         self._answer(index, text, finish, first, votes.tokens, ballot.outcome())
         return True
+
+    def abandon(self, index: int) -> None:
+        """A cancelled job's voted question with no sample left decoding: it answers with
+        what sample 0 (the streamed one) wrote."""
+        votes = self.votes[index]
+        first = votes.first or QuestionEnd([], "length", None, None)
+        self._answer(index, self.streams[index].text, "cancelled", first, votes.tokens)
 
     def _stream(self, index: int, sample: int) -> TextStream:
         return self.streams[index] if sample == 0 else self.votes[index].streams[sample]

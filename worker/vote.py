@@ -47,6 +47,15 @@ class Ballot:
         runner_up = len(groups[1]) if len(groups) > 1 else 0
         return len(groups[0]) > runner_up + self.samples - self.counted
 
+    def needed(self) -> int:
+        """The fewest more samples that could decide the vote: as many as make the leader win
+        if they all agree with it (every sample, before any is counted, is a majority)."""
+        groups = self.groups()
+        lead = len(groups[0]) if groups else 0
+        runner_up = len(groups[1]) if len(groups) > 1 else 0
+        remaining = self.samples - self.counted
+        return min(remaining, (runner_up + remaining - lead) // 2 + 1)
+
     def groups(self) -> list[list[int]]:
         """Counted samples by answer, most votes first, ties by their lowest sample."""
         by_key: dict[str, list[int]] = {}

@@ -187,3 +187,14 @@ def test_a_killed_worker_mid_vote_gives_the_uninterrupted_vote(
     final = finished(stack, job)
     assert final["attempts"] == 2
     assert answers(final) == answers(whole)
+
+
+def test_voted_questions_beyond_the_sequences_each_get_their_vote(stack: Stack) -> None:
+    """14 questions x 3 samples, more streams than the worker has sequences: later samples
+    are drawn as votes stay open, and every question is answered by its vote."""
+    questions = [f"How many boxes are on line {i}?" for i in range(14)]
+    body = {**VOTE, "samples": 3, "max_tokens": 6, "cache": False}
+    final = finished(stack, extraction(stack, questions, **body))
+    for answer in final["extraction"]["answers"].values():
+        assert 2 <= answer["vote"]["counted"] <= 3
+        assert answer["finish_reason"] in ("stop", "length")

@@ -123,3 +123,35 @@ def test_a_sample_ends_once() -> None:
         ballot.end(1, "rice")
     with pytest.raises(ValueError, match="sample 3"):
         ballot.end(3, "rice")
+
+
+@given(st.lists(st.sampled_from(["rice", "salt", "tea"]), min_size=1, max_size=9))
+def test_drawing_the_fewest_that_could_decide_ends_where_drawing_all_does(
+    answers: list[str],
+) -> None:
+    """Samples drawn in waves of `needed()` (as a voted question draws them) reach the
+    outcome of counting them all in order, and no smaller wave could have decided it."""
+    waves = Ballot(len(answers))
+    while not waves.complete:
+        wave = waves.needed()
+        assert 1 <= wave <= len(answers) - waves.counted
+        if wave > 1:  # one fewer, all agreeing with the leader, would leave it open
+            probe = Ballot(len(answers))
+            for sample in range(waves.counted):
+                probe.end(sample, waves.text(sample))
+            leader = probe.text(probe.winner()) if probe.counted else "rice"
+            for sample in range(waves.counted, waves.counted + wave - 1):
+                probe.end(sample, leader)
+            assert not probe.complete
+        for sample in range(waves.counted, waves.counted + wave):
+            waves.end(sample, answers[sample])
+    in_order = Ballot(len(answers))
+    for sample, answer in enumerate(answers):
+        in_order.end(sample, answer)
+        if in_order.complete:
+            break
+    assert waves.outcome() == in_order.outcome()
+
+
+def test_a_fresh_vote_needs_a_majority_first() -> None:
+    assert [Ballot(n).needed() for n in (1, 2, 3, 5, 9)] == [1, 2, 2, 3, 5]

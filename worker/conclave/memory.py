@@ -61,6 +61,13 @@ class Resident:
         self.documents = {d: n for d, n in self.documents.items() if n <= cells}
 
 
+def _rank(kept: int, resident: Resident) -> tuple[int, bool, float]:
+    """Which of the residents a prompt could keep as much of it takes: an idle one (taken
+    over, no copy), the longest idle first, so the cells of a stream that just ended stay the
+    longest (a voted question's next sample comes for them)."""
+    return kept, resident.idle, -resident.used_at
+
+
 @dataclass(frozen=True, slots=True)
 class Reuse:
     source: Resident
@@ -120,7 +127,9 @@ class Memory:
             # Memory that cannot drop a tail is reused only when nothing follows the prefix.
             if not self._truncatable and len(resident.tokens) > kept:
                 kept = 0
-            if kept > 0 and (best is None or kept > best.tokens):
+            if kept > 0 and (
+                best is None or _rank(kept, resident) > _rank(best.tokens, best.source)
+            ):
                 best = Reuse(resident, kept)
         return best
 

@@ -111,24 +111,74 @@ def _answer(
     runs: list[_Run],
     priority: int,
 ) -> None:
-    """Submit every open sample as a stream of its own, all sharing one event queue; a
-    question whose answer is final stops its other samples."""
-    events: queue.SimpleQueue[tuple[StreamHandle, Event]] = queue.SimpleQueue()
-    started = time.perf_counter()
-    by_question: dict[int, list[StreamHandle]] = {}
+    """Decode the open samples, each a stream of its own, all sharing one event queue."""
     with contextlib.ExitStack() as stack:
+        draws = _Draws(conclave, order, answering, (prefix, tails, priority), runs, stack)
+        draws.run()
+
+
+class _Draws:
+    """Which samples of an extraction's questions are drawn, and when.
+
+    One sample per question: all drawn at once. A voted question starts with the fewest
+    samples that could decide it (`Ballot.needed`) and draws more only while its vote is open:
+    the first of them reads the question, the others fork its cells, and the later ones find
+    them in memory, where the cells of a stream that just ended are the last to be taken
+    (worker/conclave/memory.py). A question whose answer is final stops its other samples.
+    """
+
+    def __init__(
+        self,
+        conclave: Conclave,
+        order: ExtractOrder,
+        answering: Answering,
+        prompt: tuple[list[int], list[list[int]], int],
+        runs: list[_Run],
+        stack: contextlib.ExitStack,
+    ) -> None:
+        self._conclave, self._order, self._answering = conclave, order, answering
+        self._prompt, self._runs, self._stack = prompt, runs, stack
+        self._events: queue.SimpleQueue[tuple[StreamHandle, Event]] = queue.SimpleQueue()
+        self._started = time.perf_counter()
+        # A question's samples not yet drawn, by their tags (their place in `runs`).
+        self._pending: dict[int, list[int]] = {}
         for tag, run in enumerate(runs):
-            request = _request(order, answering, prefix, tails, run, priority)
-            handle = conclave.handle(request, partial(_on_token, answering, run), events, tag=tag)
-            by_question.setdefault(run.index, []).append(
-                stack.enter_context(conclave.submit(handle))
-            )
-        for _ in runs:
-            handle, event = _next_end(events)
-            run = runs[handle.tag]
-            if _on_end(answering, run, event, started):
-                for other in by_question[run.index]:
-                    other.cancel()
+            self._pending.setdefault(run.index, []).append(tag)
+        self._streams: dict[int, list[StreamHandle]] = {i: [] for i in self._pending}
+        self._live = dict.fromkeys(self._pending, 0)
+
+    def run(self) -> None:
+        voted = self._order.samples > 1
+        for index in self._pending:
+            self._draw(index, self._answering.needed(index) if voted else 1)
+        while any(self._live.values()):
+            handle, event = _next_end(self._events)
+            run = self._runs[handle.tag]
+            self._live[run.index] -= 1
+            if _on_end(self._answering, run, event, self._started):
+                self._settle(run.index)
+            elif self._live[run.index] == 0 and self._answering.cancelled:
+                self._answering.abandon(run.index)
+                self._settle(run.index)
+            elif self._live[run.index] == 0:
+                self._draw(run.index, self._answering.needed(run.index))
+
+    def _draw(self, index: int, count: int) -> None:
+        pending = self._pending[index]
+        assert pending, "an open vote with no sample left to draw"
+        prefix, tails, priority = self._prompt
+        for tag in pending[:count]:
+            run = self._runs[tag]
+            request = _request(self._order, self._answering, prefix, tails, run, priority)
+            on_token = partial(_on_token, self._answering, run)
+            handle = self._conclave.handle(request, on_token, self._events, tag=tag)
+            self._streams[index].append(self._stack.enter_context(self._conclave.submit(handle)))
+            self._live[index] += 1
+        del pending[:count]
+
+    def _settle(self, index: int) -> None:
+        for other in self._streams[index]:
+            other.cancel()
 
 
 def _request(
