@@ -127,6 +127,11 @@ class QuestionEnd:
     decode_tokens_per_s: float | None
 
 
+# A sample that ends with no token decoded: one the earlier attempt took to its end, or the
+# times of a vote whose sample 0 never ended.
+NOTHING_DECODED = QuestionEnd([], "length", None, None)
+
+
 @dataclass
 class _Votes:
     """A voted question while its samples decode (sample 0's text stream is the question's)."""
@@ -179,18 +184,15 @@ class Answering:
         self.answers = dict(self.streamed.answers)
 
     def open_samples(self) -> list[tuple[int, int]]:
-        """(question, sample) pairs still to decode, a question's samples together: they
-        arrive side by side, so one reads the question after the document and the others fork
-        its cells (a sample admitted later would find them overwritten and read it again,
-        which costs more than its answer). A sample 0 the earlier attempt took to its end
-        ends now."""
+        """(question, sample) pairs still to decode, by question, then sample. A sample 0
+        the earlier attempt took to its end ends now."""
         runs = []
         for index, question in enumerate(self.order.questions):
             for sample in range(self.order.samples):
                 if question.id in self.answers:
                     break
                 if sample == 0 and (self.streams[index].stopped or self.budget(index) <= 0):
-                    self.on_end(index, 0, QuestionEnd([], "length", None, None))
+                    self.on_end(index, 0, NOTHING_DECODED)
                 else:
                     runs.append((index, sample))
         return runs
@@ -243,7 +245,7 @@ class Answering:
         if not ballot.complete:
             return False
         winner = ballot.winner()
-        first = votes.first or QuestionEnd([], "length", None, None)
+        first = votes.first or NOTHING_DECODED
         text, finish = ballot.text(winner), votes.finishes[winner]
         self._answer(index, text, finish, first, votes.tokens, ballot.outcome())
         return True
@@ -252,7 +254,7 @@ class Answering:
         """A cancelled job's voted question with no sample left decoding: it answers with
         what sample 0 (the streamed one) wrote."""
         votes = self.votes[index]
-        first = votes.first or QuestionEnd([], "length", None, None)
+        first = votes.first or NOTHING_DECODED
         self._answer(index, self.streams[index].text, "cancelled", first, votes.tokens)
 
     def _stream(self, index: int, sample: int) -> TextStream:

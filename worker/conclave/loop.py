@@ -541,19 +541,18 @@ class Conclave:
         cells (`_part`). Only streams without drafts, pending snapshots or lone decoding."""
         if not self.rows_invariant:
             return
-        firsts: dict[tuple[str | None, int, int], list[_Stream]] = {}
+        firsts: dict[tuple[str | None, int, int], list[tuple[_Stream, list[int]]]] = {}
         for stream in self._streams:  # in arrival order: the earliest leads
             if not self._may_twin(stream):
                 continue
-            key = (stream.request.namespace, stream.pos, stream.next_token)
-            candidates = firsts.setdefault(key, [])
             assert stream.resident is not None
-            lead = next(
-                (c for c in candidates if c.resident.tokens == stream.resident.tokens),  # type: ignore[union-attr]
-                None,
+            tokens = stream.resident.tokens
+            candidates = firsts.setdefault(
+                (stream.request.namespace, stream.pos, stream.next_token), []
             )
+            lead = next((c for c, theirs in candidates if theirs == tokens), None)
             if lead is None or stream.twins:
-                candidates.append(stream)
+                candidates.append((stream, tokens))
                 continue
             stream.twin_of, stream.own_until = lead, stream.pos
             lead.twins.append(stream)

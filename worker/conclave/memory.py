@@ -158,8 +158,8 @@ class Memory:
         return resident
 
     def copy(self, source: Resident, target: Resident) -> None:
-        """Give busy `target` a copy of `source`'s buffer: their cells hold the same tokens up
-        to where `source`'s end (a twin parting, worker/conclave/loop.py)."""
+        """Give busy `target` a copy of `source`'s buffer, whose cells hold `target`'s tokens
+        as far as `source` has written (a twin parting, worker/conclave/loop.py)."""
         llama_cpp.llama_memory_seq_cp(self._mem, source.seq, target.seq, -1, -1)
         self._copy_sources.add(source.seq)
 

@@ -97,28 +97,14 @@ def extract(
         offset_ms = (prefilled - started) * 1000
         answering = Answering(llama, order, publisher, prompt_tokens, cached, offset_ms, streamed)
         runs = [_Run(i, s) for i, s in answering.open_samples()]
-        if runs:
-            _answer(conclave, order, answering, prefix, tails, runs, priority)
+        with contextlib.ExitStack() as stack:
+            _Draws(conclave, order, answering, (prefix, tails, priority), runs, stack).run()
     return extraction_outcome(order, answering, prefix, tails, cached, started, prefilled, streamed)
 
 
-def _answer(
-    conclave: Conclave,
-    order: ExtractOrder,
-    answering: Answering,
-    prefix: list[int],
-    tails: list[list[int]],
-    runs: list[_Run],
-    priority: int,
-) -> None:
-    """Decode the open samples, each a stream of its own, all sharing one event queue."""
-    with contextlib.ExitStack() as stack:
-        draws = _Draws(conclave, order, answering, (prefix, tails, priority), runs, stack)
-        draws.run()
-
-
 class _Draws:
-    """Which samples of an extraction's questions are drawn, and when.
+    """Which samples of an extraction's questions are drawn, and when: each a stream of its
+    own, all sharing one event queue.
 
     One sample per question: all drawn at once. A voted question starts with the fewest
     samples that could decide it (`Ballot.needed`) and draws more only while its vote is open:
