@@ -42,7 +42,7 @@ from shared.prefix_cache import CacheHit, PrefixCache, common_prefix_len, restor
 from worker import kv_state
 from worker.chunk_ends import chunk_end, chunk_ends, snapshot_points
 from worker.conclave.drafts import Acceptance, PassCost, StreamDrafts
-from worker.conclave.memory import Memory, Resident
+from worker.conclave.memory import Memory, Resident, Reuse
 from worker.conclave.near_tie import TIE_MARGIN, is_near_tie
 from worker.conclave.plan import (
     Decoding,
@@ -382,7 +382,8 @@ class Conclave:
                 reuse = None  # the disk holds more: a copy of memory would be overwritten
             else:
                 hit = None
-        resident = self._memory.claim(request.namespace, reuse)
+        lead = self._lead_at_start(stream, reuse)
+        resident = self._memory.claim(request.namespace, None if lead else reuse)
         stream.resident = resident
         restore_ms = None
         if hit is not None:
@@ -394,11 +395,38 @@ class Conclave:
         resident.breaks = tuple(b for b in request.breaks if b <= kept)
         resident.keep_documents(kept)
         resident.label(request.document)
+        if lead is not None:  # no cells of its own until it parts: none to offer for reuse
+            resident.prefilled, resident.breaks, resident.documents = 0, (), {}
+            stream.twin_of, stream.own_until = lead, 0
+            lead.twins.append(stream)
         if cache is not None and self._saver is not None:
             stream.snapshots = self._snapshot_points(request, kept)
         stream.handle.put(Started(kept, restore_ms, time.perf_counter()))
         stream.state = _State.PREFILLING
         self._prefilled_to(stream)
+
+    def _lead_at_start(self, stream: _Stream, reuse: Reuse | None) -> _Stream | None:
+        """The decoding stream a starting one may twin from its first row on, with no copy of
+        its cells (a sample following its question's first, whose prefill just ended): the
+        memory to reuse is that stream's, holding all of this prompt, and its next row is this
+        stream's first."""
+        request = stream.request
+        limit = request.prefill_end
+        if (
+            not self.rows_invariant
+            or reuse is None
+            or reuse.tokens != limit
+            or reuse.source.idle
+            or request.speculation != "off"
+            or request.max_new == 0
+        ):
+            return None
+        lead = next((s for s in self._streams if s.resident is reuse.source), None)
+        if lead is None or not self._may_twin(lead) or lead.pos != limit:
+            return None
+        assert lead.resident is not None
+        same = lead.resident.tokens == request.tokens[:limit]
+        return lead if same and lead.next_token == request.tokens[limit] else None
 
     def _restore(self, stream: _Stream, hit: CacheHit) -> int:
         if self._memory.copies_pending_from(stream.seq):

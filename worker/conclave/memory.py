@@ -162,6 +162,8 @@ class Memory:
         as far as `source` has written (a twin parting, worker/conclave/loop.py)."""
         llama_cpp.llama_memory_seq_cp(self._mem, source.seq, target.seq, -1, -1)
         self._copy_sources.add(source.seq)
+        target.prefilled, target.breaks = source.prefilled, source.breaks
+        target.documents = dict(source.documents)
 
     def keep(self, resident: Resident, cells: int) -> None:
         """Only cells [0, `cells`) of `resident` hold what its tokens say."""
