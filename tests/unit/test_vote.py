@@ -56,6 +56,16 @@ def full_count_winner(answers: list[str]) -> str:
     return next(k for k in keys if votes[k] == best)
 
 
+def in_order(answers: list[str]) -> Ballot:
+    """The samples ending one after another, up to the vote's end."""
+    ballot = Ballot(len(answers))
+    for sample, answer in enumerate(answers):
+        ballot.end(sample, answer)
+        if ballot.complete:
+            break
+    return ballot
+
+
 answers_and_order = st.lists(
     st.sampled_from(["rice", "Rice.", "salt", "tea", "12", "12.0"]), min_size=1, max_size=9
 ).flatmap(lambda answers: st.tuples(st.just(answers), st.permutations(range(len(answers)))))
@@ -73,12 +83,7 @@ def test_stopping_once_decided_never_changes_the_winner(case: tuple[list[str], l
             break
     assert ballot.complete
     assert answer_key(ballot.text(ballot.winner())) == full_count_winner(answers)
-    in_order = Ballot(len(answers))
-    for sample, answer in enumerate(answers):
-        in_order.end(sample, answer)
-        if in_order.complete:
-            break
-    assert ballot.outcome() == in_order.outcome()
+    assert ballot.outcome() == in_order(answers).outcome()
     outcome = ballot.outcome()
     assert outcome.variants[0].text == answers[ballot.winner()]
     assert outcome.agreement == outcome.variants[0].votes / outcome.counted
@@ -145,12 +150,7 @@ def test_drawing_the_fewest_that_could_decide_ends_where_drawing_all_does(
             assert not probe.complete
         for sample in range(waves.counted, waves.counted + wave):
             waves.end(sample, answers[sample])
-    in_order = Ballot(len(answers))
-    for sample, answer in enumerate(answers):
-        in_order.end(sample, answer)
-        if in_order.complete:
-            break
-    assert waves.outcome() == in_order.outcome()
+    assert waves.outcome() == in_order(answers).outcome()
 
 
 def test_a_fresh_vote_needs_a_majority_first() -> None:
