@@ -45,7 +45,12 @@ class Voted:
 
     @property
     def score(self) -> int:
-        return sum(g in ("right", "not_stated") for g in self.grades.values())
+        return sum(map(_right, self.grades.values()))
+
+
+def _right(grade: exam.Grade) -> bool:
+    """As the exam scores: a right value, or "not stated" where the document does not say."""
+    return grade in ("right", "not_stated")
 
 
 def run(stack: Stack, model: str, doc: exam.ExamDocument, samples: int) -> Voted:
@@ -103,7 +108,7 @@ BANDS = (
 def _graded(results: list[Voted], samples: int, band: Callable[[float], bool]) -> list[bool]:
     """Whether each voted answer in the agreement band was right."""
     return [
-        r.grades[q] in ("right", "not_stated")
+        _right(r.grades[q])
         for r in results
         if r.samples == samples
         for q, agreement in r.agreement.items()

@@ -50,8 +50,8 @@ def sample(logits: Logits, sampling: Sampling, rng: np.random.Generator) -> int:
 def _ranking_head(probs: npt.NDArray[np.float64], top_p: float) -> tuple[Ints, Floats]:
     """The tokens by probability, highest first (ties by id), with their cumulative mass, at
     least until that mass reaches `top_p`: the head of what a full stable sort gives, with
-    the same sums, from a partial one. A full sort of 151,936 probabilities took 17 ms of a
-    sampled token's 22 on the model thread, where every decoding stream waits for it."""
+    the same sums, from a partial one. A full sort of a vocabulary of 151,936 took most of a
+    sampled token's time on the model thread, where every decoding stream waits for it."""
     n = len(probs)
     count = 64
     while count < n:
