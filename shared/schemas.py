@@ -5,7 +5,15 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    computed_field,
+    field_validator,
+    model_validator,
+)
 
 MAX_STOP_SEQUENCES = 8
 
@@ -400,6 +408,12 @@ class Timings(BaseModel):
     prefill_ms: float | None = None
     ttft_ms: float | None = None
     decode_tokens_per_s: float | None = None
+    # A prefix found on disk: restored, or prefilled again because reading it was expected to
+    # cost more; both estimates (worker/restore_cost.py). The recompute estimate is null before
+    # the worker has measured a prefill (it then restores).
+    restore_choice: Literal["restore", "recompute"] | None = None
+    restore_estimate_ms: float | None = None
+    recompute_estimate_ms: float | None = None
 
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -499,6 +513,51 @@ class CacheReport(BaseModel):
     bytes_read: int = 0
     bytes_written: int = 0
     evictions: int = 0
+    # What workers count of their memory, restores and saves (shared/prefix_cache/cache.py
+    # says what each holds), and below, what an operator watches, computed from them.
+    prompts: int = 0
+    memory_hits: int = 0
+    memory_hit_tokens: int = 0
+    restores_skipped: int = 0
+    restore_ms: int = 0
+    prefill_saved_ms: int = 0
+    save_ms: int = 0
+    saves_deferred: int = 0
+    saves_dropped: int = 0
+    saving_steps: int = 0
+    saving_step_ms: int = 0
+    saving_step_baseline_ms: int = 0
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def memory_hit_ratio(self) -> float | None:
+        """Prompts that started from a prefix worker memory held."""
+        return self.memory_hits / self.prompts if self.prompts else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def disk_hit_ratio(self) -> float | None:
+        """Prompts that started from a prefix restored from disk."""
+        return self.hits / self.prompts if self.prompts else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def net_saved_s(self) -> float:
+        """Prefill time restores saved, less the time spent restoring and saving."""
+        return (self.prefill_saved_ms - self.restore_ms - self.save_ms) / 1000
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def restore_bytes_per_s(self) -> float | None:
+        return self.bytes_read / self.restore_ms * 1000 if self.restore_ms else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def saving_step_ratio(self) -> float | None:
+        """Decode passes run while a save was under way, against their time with none."""
+        if not self.saving_step_baseline_ms:
+            return None
+        return self.saving_step_ms / self.saving_step_baseline_ms
 
 
 class BatchItem(ExtractionRequest):

@@ -106,6 +106,10 @@ class CacheSettings(BaseModel):
     # A state that extends a stored one stores only its own cells (plain-attention models;
     # shared/prefix_cache/deltas.py). Off: every state is stored whole.
     deltas: bool = True
+    # The most of decode time saving snapshots may cost streams: saves wait while what they
+    # added to decode passes exceeds this share of them (worker/save_budget.py); 0: save only
+    # while no stream decodes.
+    save_budget_share: float = Field(0.15, ge=0, le=1)
 
 
 class ResultCacheSettings(BaseModel):

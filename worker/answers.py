@@ -18,6 +18,7 @@ from llama_cpp import Llama
 
 from shared.llm import token_bytes
 from shared.schemas import Answer, ExtractOrder, FinishReason, Timings, Usage, Vote
+from worker.restore_cost import Choice, choice_timings
 from worker.resume import Streamed, text_stream
 from worker.text_stream import TextStream
 from worker.token_publisher import TokenPublisher
@@ -54,21 +55,24 @@ class Decoded:
         prefill_started: float,
         restore_ms: float | None,
         ended_at: float | None = None,
+        choice: Choice | None = None,
     ) -> Timings:
         """`ended_at`: when the generation's end was decided; with no token (the first sample
-        ended it), the first token's time is that decision's."""
+        ended it), the first token's time is that decision's. `choice`: a prefix found on
+        disk, restored or not."""
+        restored = choice_timings(choice) | {"restore_ms": restore_ms}
         first_at = self.first_at or ended_at
         if first_at is None:
-            return Timings(restore_ms=restore_ms)
+            return Timings(**restored)
         rate = None
         if self.first_at is not None and self.last_at is not None and self.ticks > 1:
             decode_s = self.last_at - self.first_at
             rate = (self.ticks - 1) / decode_s if decode_s > 0 else None
         return Timings(
-            restore_ms=restore_ms,
             prefill_ms=(first_at - prefill_started) * 1000,
             ttft_ms=(first_at - started) * 1000,
             decode_tokens_per_s=rate,
+            **restored,
         )
 
 

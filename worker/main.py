@@ -24,6 +24,8 @@ from worker.conclave.row_check import PAST_PADDED_WINDOW, batched_rows_equal_lon
 from worker.kernels import build_stamp, exact_row_limit
 from worker.model import load_model, memory_is_truncatable, warm_up
 from worker.prefix_saver import PrefixSaver
+from worker.restore_cost import RestoreCosts
+from worker.save_budget import SaveBudget
 from worker.worker import ConclaveWorker
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,8 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
     llama = load_model(settings, n_seq)
     truncatable = memory_is_truncatable(llama)
     cache = open_cache(settings, truncatable=truncatable) if settings.cache.enabled else None
-    saver = PrefixSaver() if cache is not None else None
+    budget = SaveBudget(settings.cache.save_budget_share, cache)
+    saver = PrefixSaver(budget=budget, accounts=cache) if cache is not None else None
     namespaced: dict[str, PrefixCache] = {}
 
     def cache_for(namespace: str | None) -> PrefixCache | None:
@@ -77,6 +80,8 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
         truncatable=truncatable,
         exact=worker.exact_batching,
         startup=startup,
+        costs=RestoreCosts(settings.cache_dir if cache is not None else None),
+        budget=budget if saver is not None else None,
     )
     return ConclaveEngine(llama, conclave, settings.n_ctx, cache, saver)
 

@@ -8,7 +8,8 @@ after its first token (`snapshots`): each point's state is cut from that capture
 
 The thread keeps the process's CPU priority. At nice 19 it never took a core from llama.cpp's
 threads, but under steady load it starved: the storage bench's back-to-back documents had
-their snapshots dropped, and a cache that stops saving under load stops getting faster.
+their snapshots dropped, and a cache that stops saving under load stops getting faster. What
+it may take from decoding streams is a measured budget instead (worker/save_budget.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +27,7 @@ from llama_cpp import Llama
 
 from shared.prefix_cache import PrefixCache, StateLayout, first_cells, parse_state
 from worker import kv_state
+from worker.save_budget import SaveBudget
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +47,16 @@ KEPT_BUFFERS = 1
 
 
 class PrefixSaver:
-    def __init__(self, max_pending: int = 4) -> None:
+    def __init__(
+        self,
+        max_pending: int = 4,
+        budget: SaveBudget | None = None,
+        accounts: PrefixCache | None = None,
+    ) -> None:
+        """`budget`: what saves may cost decoding streams (None: no limit); `accounts`: the
+        cache whose counters record the saver's time and drops."""
+        self._budget = budget
+        self._accounts = accounts
         self._pending: queue.Queue[_Snapshot | None] = queue.Queue(max_pending)
         self._spare: queue.SimpleQueue[Buffer] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="prefix-saver", daemon=True)
@@ -96,6 +109,8 @@ class PrefixSaver:
             return False
         # Not even captured: the copy would be thrown away.
         self.dropped += 1
+        if self._accounts is not None:
+            self._accounts.count(saves_dropped=1)
         log.warning("prefix cache writes are behind; dropped a %d-token snapshot", tokens)
         return True
 
@@ -114,12 +129,18 @@ class PrefixSaver:
     def _run(self) -> None:
         while (item := self._pending.get()) is not _STOP:
             cache, cuts, state, layout, buffer = item
+            if self._budget is not None:
+                self._budget.wait_turn()
+            started = time.thread_time()
             try:
-                for tokens, breaks in cuts:
-                    self._save(cache, tokens, breaks, state, layout)
+                with self._budget.saving() if self._budget is not None else nullcontext():
+                    for tokens, breaks in cuts:
+                        self._save(cache, tokens, breaks, state, layout)
             except Exception:  # the cache must never take the worker down
                 log.exception("saving a prefix snapshot failed")
             finally:
+                if self._accounts is not None:
+                    self._accounts.count(save_ms=round((time.thread_time() - started) * 1000))
                 del state, layout
                 self._keep(buffer)
                 self._pending.task_done()

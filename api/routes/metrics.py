@@ -25,7 +25,7 @@ from rq import Worker
 from api.deps import State
 from api.state import AppState
 from shared import job_metrics, routing
-from shared.prefix_cache import COUNTER_NAMES as CACHE_COUNTERS
+from shared.prefix_cache import COUNTERS as CACHE_COUNTERS
 from shared.prefix_cache import read_counters as read_cache_counters
 from shared.queues import QUEUES, queue
 from shared.schemas import WarmTrigger
@@ -109,10 +109,11 @@ class GranaryCollector(Collector):
         if cache is None:
             return
         counters = read_cache_counters(redis, cache.fingerprint)
-        for name in CACHE_COUNTERS:
-            yield CounterMetricFamily(
-                f"granary_cache_{name}", f"prefix cache {name}", value=counters.get(name, 0)
-            )
+        for name, text in CACHE_COUNTERS.items():
+            value: float = counters.get(name, 0)
+            if name.endswith("_ms"):  # kept as whole milliseconds, exported as Prometheus does
+                name, value = f"{name.removesuffix('_ms')}_seconds", value / 1000
+            yield CounterMetricFamily(f"granary_cache_{name}", text, value=value)
         stats = cache.stats()
         yield GaugeMetricFamily("granary_cache_entries", "Cache entries", value=stats.entries)
         yield GaugeMetricFamily("granary_cache_bytes", "Cache bytes on disk", value=stats.bytes)

@@ -5,16 +5,18 @@ storage interface, directory and memory implementations), `format` (blob bytes a
 live), `state_layout` (where each KV cell's bytes are in a llama.cpp state), `deltas` (states
 stored as their own cells on a base), `eviction` (what the budget removes first), `maintenance`
 (verifying every blob), `cache` (lookup, save, budget), `fingerprint` (which states a model may
-read) and `counters` (hits and misses summed over workers in Redis). Other packages use what is
+read), `residency` (what the page cache holds, how fast the disk reads the rest) and `counters`
+(hits and misses summed over workers in Redis). Other packages use what is
 exported here.
 """
 
 from __future__ import annotations
 
 from shared.prefix_cache.cache import (
-    COUNTER_NAMES,
+    COUNTERS,
     CacheHit,
     PrefixCache,
+    ReadOffer,
     open_cache,
     restorable_tokens,
 )
@@ -26,10 +28,11 @@ from shared.prefix_cache.state_layout import first_cells
 from shared.prefix_cache.state_layout import parse as parse_state
 
 __all__ = [
-    "COUNTER_NAMES",
+    "COUNTERS",
     "CacheHit",
     "CounterPublisher",
     "PrefixCache",
+    "ReadOffer",
     "StateLayout",
     "cache_report",
     "common_prefix_len",

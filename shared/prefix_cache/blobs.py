@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from shared.prefix_cache.residency import resident_bytes
+
 _SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
 _PUT_RETRIES = 3
 # File systems on which a mapped file keeps its pages until unmapped, even once replaced or
@@ -68,6 +70,10 @@ class BlobStore(Protocol):
         ...
 
     def stat(self, key: str) -> BlobStat | None: ...
+
+    def resident_bytes(self, key: str) -> int | None:
+        """Bytes of the object a read would find in memory, not on a disk (None: unknown)."""
+        ...
 
     def touch(self, key: str, mtime_s: float) -> bool:
         """Set the modification time; False if the key is missing."""
@@ -144,6 +150,9 @@ class DirectoryBlobStore:
         except (FileNotFoundError, NotADirectoryError):
             return None
         return BlobStat(st.st_size, st.st_mtime)
+
+    def resident_bytes(self, key: str) -> int | None:
+        return resident_bytes(self._path(key))
 
     def touch(self, key: str, mtime_s: float) -> bool:
         try:
@@ -330,6 +339,10 @@ class MemoryBlobStore:
         with self._lock:
             obj = self._find(key)
             return None if obj is None else BlobStat(len(obj.data), obj.mtime_s)
+
+    def resident_bytes(self, key: str) -> int | None:
+        stat = self.stat(key)
+        return None if stat is None else stat.size_bytes
 
     def touch(self, key: str, mtime_s: float) -> bool:
         with self._lock:

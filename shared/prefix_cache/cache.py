@@ -65,6 +65,7 @@ logger = logging.getLogger(__name__)
 
 HIT_COUNT_CAP = 16  # a blob's hits file grows a byte per hit up to this
 MAX_PROBES = 4
+MAX_CHAIN_FILES = 64  # a delta's chain is far shorter; the bound only guards a damaged one
 _BASE_LATER_S = 1e-3  # how much later than its dependent a base counts as used
 
 if TYPE_CHECKING:
@@ -77,6 +78,25 @@ class CacheHit:
     state: memoryview  # read-only, into the blob as read (a mapped file: no copy)
     blob_tokens: int  # tokens the state actually holds (>= n_tokens)
     key: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOffer:
+    """A stored state a lookup found, before a byte of it is read: what restoring it would
+    give and what it would read."""
+
+    tokens: int  # of the prompt, restored
+    bytes: int  # every file the restore reads (a delta's bases too)
+    resident_bytes: int  # of those, what the page cache holds now
+
+
+# Whether a restore is worth its read (worker/restore_cost.py); a lookup that is told no
+# reads nothing more and finds nothing.
+ReadPays = Callable[[ReadOffer], bool]
+
+
+class _NotWorthReading(Exception):
+    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +126,29 @@ class EntryInfo:
         return self.last_used_s
 
 
-# Per-process counters; workers sum them in Redis (shared.prefix_cache.counters).
-COUNTER_NAMES = ("hits", "misses", "hit_tokens", "bytes_read", "bytes_written", "evictions")
+# Per-process counters, with what each counts; workers sum them in Redis
+# (shared.prefix_cache.counters). The first six are the disk cache's own, the rest what a worker
+# counts of its memory, restores and saves (worker/restore_cost.py, worker/save_budget.py).
+COUNTERS = {
+    "hits": "Prompts that restored a prefix from disk",
+    "misses": "Disk lookups that found no prefix",
+    "hit_tokens": "Prompt tokens restored from disk",
+    "bytes_read": "Bytes of states restored from disk",
+    "bytes_written": "Bytes of states written to disk",
+    "evictions": "States removed to keep the disk budget",
+    "prompts": "Prompts a worker started to read",
+    "memory_hits": "Prompts that started from a prefix in worker memory, none longer on disk",
+    "memory_hit_tokens": "Prompt tokens reused from worker memory",
+    "restores_skipped": "Prefixes on disk not read: prefilling them was expected to cost less",
+    "restore_ms": "Time reading, verifying and loading the states restored",
+    "prefill_saved_ms": "Expected time of prefilling the tokens restored instead",
+    "save_ms": "CPU time the saver spent writing snapshots",
+    "saves_deferred": "Snapshots held back while saves had used their share of decode time",
+    "saves_dropped": "Snapshots never written: the saver was too far behind",
+    "saving_steps": "Decode passes run while a save was under way",
+    "saving_step_ms": "Time of the decode passes run while a save was under way",
+    "saving_step_baseline_ms": "Time the same decode passes took with no save under way",
+}
 
 
 def restorable_tokens(
@@ -180,10 +221,10 @@ class PrefixCache:
         self._deltas = deltas
         self._composer = Composer()
         self._lock = threading.Lock()
-        self._counters = dict.fromkeys(COUNTER_NAMES, 0)
+        self._counters = dict.fromkeys(COUNTERS, 0)
         self._write_failures = 0
 
-    def _count(self, **deltas: int) -> None:
+    def count(self, **deltas: int) -> None:
         with self._lock:
             for name, delta in deltas.items():
                 self._counters[name] += delta
@@ -191,28 +232,38 @@ class PrefixCache:
     # ---- lookup -----------------------------------------------------------
 
     def lookup(
-        self, prompt_tokens: Sequence[int], min_tokens: int = 1, breaks: Collection[int] = ()
+        self,
+        prompt_tokens: Sequence[int],
+        min_tokens: int = 1,
+        breaks: Collection[int] = (),
+        pays: ReadPays | None = None,
     ) -> CacheHit | None:
         """Longest usable cached prefix of at least `min_tokens`; never raises for bad files.
 
         `min_tokens` lets a caller that already holds a prefix in memory skip reading blobs
         that could not beat it; `breaks` are the prompt's extra chunk ends (see
-        `restorable_tokens`).
+        `restorable_tokens`); `pays` is asked before the best state found is read (a shorter
+        one reads as much per token, so none is read when it says no).
         """
         tokens = list(prompt_tokens)
         hit: CacheHit | None = None
         if len(tokens) >= 2:  # the last prompt token is always decoded fresh
             try:
-                hit = self._find(tokens, min_tokens, frozenset(breaks))
+                hit = self._find(tokens, min_tokens, frozenset(breaks), pays)
+            except _NotWorthReading:
+                self.count(restores_skipped=1)
+                return None
             except OSError as exc:
                 logger.warning("prefix cache lookup failed, treating as miss: %s", exc)
         if hit is None:
-            self._count(misses=1)
+            self.count(misses=1)
         else:
-            self._count(hits=1, hit_tokens=hit.n_tokens, bytes_read=len(hit.state))
+            self.count(hits=1, hit_tokens=hit.n_tokens, bytes_read=len(hit.state))
         return hit
 
-    def _find(self, tokens: list[int], min_tokens: int, breaks: frozenset[int]) -> CacheHit | None:
+    def _find(
+        self, tokens: list[int], min_tokens: int, breaks: frozenset[int], pays: ReadPays | None
+    ) -> CacheHit | None:
         chain = block_hashes(tokens, self._block_tokens, self._fp)
         # A blob found at a boundary is shorter than the next longer boundary (else it would
         # have been found there), so once that bound drops below min_tokens, stop.
@@ -224,7 +275,7 @@ class PrefixCache:
             marker_dir = index_dir(self._fp, boundary.key)
             names = self._store.list(marker_dir)
             if names:
-                hit = self._best_at(tokens, chain, marker_dir, names, min_tokens, breaks)
+                hit = self._best_at(tokens, chain, marker_dir, names, min_tokens, breaks, pays)
                 if hit is not None:
                     return hit
         return None
@@ -237,6 +288,7 @@ class PrefixCache:
         names: list[str],
         min_tokens: int,
         breaks: frozenset[int],
+        pays: ReadPays | None,
     ) -> CacheHit | None:
         """Try the candidates sharing one boundary with the prompt, best first."""
         limit = len(tokens) - 1
@@ -261,6 +313,8 @@ class PrefixCache:
         for usable, name in sorted(ranked, reverse=True):
             if usable < min_tokens:
                 break
+            if pays is not None and not pays(self._offer(name, usable)):
+                raise _NotWorthReading
             hit = self._load(tokens, marker_dir, name, breaks)
             if hit is not None:
                 return hit
@@ -296,6 +350,25 @@ class PrefixCache:
             if usable > 0:
                 out.append((usable, name))
         return out
+
+    def _offer(self, name: str, tokens: int) -> ReadOffer:
+        """What restoring blob `name` would read: it and, for a delta, its bases (their heads
+        name them), and how much of that the page cache holds."""
+        total = resident = 0
+        current: str | None = name
+        for _ in range(MAX_CHAIN_FILES):
+            if current is None:
+                break
+            key = blob_key(self._fp, current)
+            stat = self._store.stat(key)
+            head = self._read_head(self._fp, current)
+            if stat is None or head is None:
+                break  # the load finds it broken and repairs the index
+            total += stat.size_bytes
+            resident += self._store.resident_bytes(key) or 0
+            base = head[0].base
+            current = None if base is None else base.name
+        return ReadOffer(tokens, total, resident)
 
     def _usable_prefix(self, name: str, n: int, limit: int, breaks: frozenset[int]) -> int:
         """What a prompt may restore of a stored state of its first `n` tokens: from the name
@@ -473,7 +546,7 @@ class PrefixCache:
             self._store.touch(blob_key(self._fp, base), now_s + depth * _BASE_LATER_S)
         for boundary in bounds:
             self._store.put(index_dir(self._fp, boundary.key) + name, b"", durable=False)
-        self._count(bytes_written=len(blob))
+        self.count(bytes_written=len(blob))
         if self._truncatable and delta is None:  # a delta duplicates no stored cells
             self._drop_redundant(tokens, breaks, chain, bounds)
         return True
@@ -585,7 +658,7 @@ class PrefixCache:
         block_tokens = HEADER.unpack(head)[3] if head and len(head) == HEADER.size else 0
         blob_tokens = self._read_tokens(entry.fp, entry.name) if block_tokens > 0 else None
         if self._forget(entry.fp, entry.name, blob_tokens, max(block_tokens, 1), None):
-            self._count(evictions=1)
+            self.count(evictions=1)
 
     def _make_room(self, incoming_bytes: int, keep: frozenset[str] = frozenset()) -> int:
         """Evict until the store plus ``incoming_bytes`` fits; return bytes freed.
@@ -618,8 +691,8 @@ class PrefixCache:
         return self._fp
 
     def namespaced(self, namespace: str) -> PrefixCache:
-        """The same store and budget, under a separate namespace no other one reads."""
-        return PrefixCache(
+        """The same store, budget and counters, under a separate namespace no other one reads."""
+        cache = PrefixCache(
             self._store,
             f"{self._fp}-{namespace}",
             self._block_tokens,
@@ -630,6 +703,9 @@ class PrefixCache:
             max_probes=self._max_probes,
             deltas=self._deltas,
         )
+        # Counted with this cache's: the model's figures, whoever's prompts they were.
+        cache._lock, cache._counters = self._lock, self._counters
+        return cache
 
     def counters(self) -> dict[str, int]:
         """This process's hit/miss/byte counters (cheap: no directory scan)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from redis import Redis
 
 from shared import keys
-from shared.prefix_cache.cache import COUNTER_NAMES, PrefixCache
+from shared.prefix_cache.cache import COUNTERS, PrefixCache
 from shared.schemas import CacheReport
 from shared.settings import Settings
 
@@ -53,5 +53,5 @@ def cache_report(settings: Settings, redis: Redis | None, cache: PrefixCache | N
         bytes=stats.bytes,
         max_bytes=stats.max_bytes,
         directory_bytes=stats.store_bytes,
-        **{name: counters.get(name, 0) for name in COUNTER_NAMES},
+        **{name: counters.get(name, 0) for name in COUNTERS},
     )

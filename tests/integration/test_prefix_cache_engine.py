@@ -437,3 +437,32 @@ def test_a_document_inside_a_chat_stores_each_state_as_its_own_cells(models: Mod
             assert after.base.shared == before.n_tokens
         else:
             assert after.base is None  # sliding window: whole states only
+
+
+def test_a_prefix_slower_to_read_than_to_prefill_is_prefilled_and_answers_as_cold(
+    models: Models,
+) -> None:
+    models.cache.clear()
+    models.run(models.warm, BASE, max_tokens=1)  # stores BASE, and measures a prefill
+    cold = models.run(models.cold, BASE)
+    costs = models.warm.conclave.costs
+    measured = costs.memory.per_s, costs.disk.per_s
+    before = models.cache.counters()
+    try:
+        # Storage that reads a byte a second, page cache or not: no restore can pay.
+        costs.memory.per_s = costs.disk.per_s = 1.0
+        slow = models.run(models.warm, BASE)
+    finally:
+        costs.memory.per_s, costs.disk.per_s = measured
+    fast = models.run(models.warm, BASE)
+    assert slow.result.text == fast.result.text == cold.result.text
+    assert slow.usage.cached_tokens == 0 and slow.timings.restore_ms is None
+    assert slow.timings.restore_choice == "recompute"
+    assert slow.timings.restore_estimate_ms is not None
+    assert slow.timings.recompute_estimate_ms is not None
+    assert slow.timings.restore_estimate_ms > slow.timings.recompute_estimate_ms > 0
+    assert fast.timings.restore_choice == "restore"
+    assert fast.usage.cached_tokens == fast.usage.prompt_tokens - 1
+    counted = {k: v - before[k] for k, v in models.cache.counters().items()}
+    assert counted["prompts"] == 2 and counted["restores_skipped"] == 1 and counted["hits"] == 1
+    assert counted["restore_ms"] >= 0 and counted["prefill_saved_ms"] > 0

@@ -25,9 +25,11 @@ from shared.prefix_cache.blobs import (
     BlobStore,
     DirectoryBlobStore,
     MemoryBlobStore,
+    file_system,
 )
 from shared.prefix_cache.format import FORMAT_VERSION, HEADER, MAGIC, encode_blob
 from shared.prefix_cache.keys import prefix_key, token_bytes
+from shared.prefix_cache.residency import uncached_read_rate
 
 FP = "f00dfeed"
 B = 8  # block_tokens: head boundaries at 1, 2, 4; full blocks at 8, 16, ...
@@ -63,6 +65,10 @@ class CountingStore:
     def stat(self, key: str) -> BlobStat | None:
         self.calls["stat"] += 1
         return self.inner.stat(key)
+
+    def resident_bytes(self, key: str) -> int | None:
+        self.calls["resident_bytes"] += 1
+        return self.inner.resident_bytes(key)
 
     def touch(self, key: str, mtime_s: float) -> bool:
         self.calls["touch"] += 1
@@ -945,3 +951,31 @@ def test_lookup_below_min_tokens_reads_nothing_and_counts_no_hit() -> None:
     assert cache.lookup([*P, 1], min_tokens=17) is None
     assert cache.counters()["hits"] == 0
     assert cache.entries()[0].hits == 0
+
+
+def test_a_directory_store_tells_what_the_page_cache_holds(tmp_path: Path) -> None:
+    store = DirectoryBlobStore(tmp_path)
+    store.put("a/b", b"x" * 70_000)
+    assert store.resident_bytes("a/b") == 70_000  # just written: every page is in memory
+    assert store.resident_bytes("a/missing") is None
+    path = tmp_path / "a" / "b"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    dropped = store.resident_bytes("a/b")
+    # A disk file system drops its clean pages; tmpfs keeps them (it has nowhere else).
+    assert dropped == 0 or file_system(tmp_path, Path("/proc/self/mounts").read_text()) == "tmpfs"
+    with open(path, "rb") as f:
+        f.read()
+    assert store.resident_bytes("a/b") == 70_000
+
+
+def test_a_directory_reads_at_a_measured_rate_and_keeps_no_probe(tmp_path: Path) -> None:
+    rate = uncached_read_rate(tmp_path, 256 * 1024)
+    in_memory = file_system(tmp_path, Path("/proc/self/mounts").read_text()) == "tmpfs"
+    assert (rate is None) if in_memory else (rate is not None and rate > 0)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_bytes(b"")
+    assert uncached_read_rate(tmp_path / "file" / "under-it") is None

@@ -13,7 +13,7 @@ import struct
 import numpy as np
 import pytest
 
-from shared.prefix_cache import PrefixCache
+from shared.prefix_cache import PrefixCache, ReadOffer
 from shared.prefix_cache.blobs import MemoryBlobStore
 from shared.prefix_cache.format import (
     MAX_DEPTH,
@@ -415,3 +415,31 @@ def test_a_save_looks_at_shallower_boundaries_when_deeper_cells_differ() -> None
     assert ref is not None and ref.name == key_of(SYSTEM).rsplit("/", 1)[1]
     assert ref.shared == len(SYSTEM)
     assert restored(cache, [*longer, 1]) == (len(longer), fake_state(longer))
+
+
+# --- what a restore would read ----------------------------------------------------------------
+
+
+def test_a_restore_is_offered_with_every_file_of_its_chain_before_any_is_read() -> None:
+    store = MemoryBlobStore()
+    cache = make_cache(store)
+    doc = [*SYSTEM, *toks(5000, 60)]
+    turn = [*doc, *toks(7000, 20)]
+    for tokens in (SYSTEM, doc, turn):
+        assert cache.save(tokens, fake_state(tokens))
+    files = [store.stat(key_of(t)) for t in (SYSTEM, doc, turn)]
+    offers: list[ReadOffer] = []
+
+    def decline(offer: ReadOffer) -> bool:
+        offers.append(offer)
+        return False
+
+    assert cache.lookup([*turn, 1], pays=decline) is None
+    chain_bytes = sum(f.size_bytes for f in files if f is not None)
+    # A memory store holds every byte in memory.
+    assert offers == [ReadOffer(len(turn), chain_bytes, chain_bytes)]
+    assert cache.counters()["restores_skipped"] == 1
+    assert cache.counters()["hits"] == cache.counters()["misses"] == 0
+    # Told yes, the same lookup restores the same state as one never asked.
+    hit = cache.lookup([*turn, 1], pays=lambda offer: True)
+    assert hit is not None and bytes(hit.state) == fake_state(turn)

@@ -127,7 +127,9 @@ class ConclaveEngine:
                 "completion_tokens": decoded.count,
             }
         )
-        timings = decoded.timings(started, begun.prefill_started, begun.restore_ms, ended.at)
+        timings = decoded.timings(
+            started, begun.prefill_started, begun.restore_ms, ended.at, begun.choice
+        )
         generation = _generation(decoded, usage, boundary, timings)
         speculation = speculation_report(order.speculation, ended.drafted, ended.accepted)
         return replace(generation, reproducible=not ended.drifted, speculation=speculation)

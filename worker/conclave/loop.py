@@ -38,7 +38,13 @@ import numpy.typing as npt
 from llama_cpp import Llama
 
 from shared.errors import ContextOverflow
-from shared.prefix_cache import CacheHit, PrefixCache, common_prefix_len, restorable_tokens
+from shared.prefix_cache import (
+    CacheHit,
+    PrefixCache,
+    ReadOffer,
+    common_prefix_len,
+    restorable_tokens,
+)
 from worker import kv_state
 from worker.chunk_ends import chunk_end, chunk_ends, snapshot_points
 from worker.conclave.drafts import Acceptance, PassCost, StreamDrafts
@@ -65,7 +71,9 @@ from worker.conclave.streams import (
 from worker.decode_batch import fill_batch
 from worker.kernels import exact_row_limit, prompt_chunk_kernels
 from worker.prefix_saver import PrefixSaver
+from worker.restore_cost import Choice, RestoreCosts
 from worker.sampling import sample
+from worker.save_budget import SaveBudget
 
 log = logging.getLogger(__name__)
 
@@ -136,12 +144,18 @@ class Conclave:
         truncatable: bool,
         startup: Callable[[], bool],
         exact: bool = True,
+        costs: RestoreCosts | None = None,
+        budget: SaveBudget | None = None,
     ) -> None:
         """`startup` runs first on the model thread, before any job: the warm-up decode, then
-        whether batched rows equal lone ones (`rows_invariant`). If it raises, so does this."""
+        whether batched rows equal lone ones (`rows_invariant`). If it raises, so does this.
+        `costs`: what decides between restoring a prefix from disk and prefilling it again;
+        `budget`: the saver's, told what each decode pass took."""
         self.llama = llama
         self._cache_for = cache_for
         self._saver = saver
+        self.costs = costs or RestoreCosts(None)
+        self._budget = budget
         self._block_tokens = block_tokens
         self._min_snapshot_tokens = min_snapshot_tokens
         self._truncatable = truncatable
@@ -375,13 +389,11 @@ class Conclave:
         kept = reuse.tokens if reuse is not None else 0
         cache = self._cache_for(request.namespace)
         started = time.perf_counter()
-        hit = None
+        hit, offer, choice = None, None, None
         if cache is not None and kept < limit:
-            hit = cache.lookup(request.tokens, min_tokens=kept + 1, breaks=request.breaks)
-            if hit is not None and hit.n_tokens > kept:
+            hit, offer, choice = self._look_on_disk(cache, request, kept)
+            if hit is not None:
                 reuse = None  # the disk holds more: a copy of memory would be overwritten
-            else:
-                hit = None
         lead = self._lead_at_start(stream, reuse)
         resident = self._memory.claim(request.namespace, None if lead else reuse)
         stream.resident = resident
@@ -389,6 +401,7 @@ class Conclave:
         if hit is not None:
             kept = self._restore(stream, hit)
             restore_ms = (time.perf_counter() - started) * 1000
+        self._account_start(kept, offer if hit is not None else None, restore_ms, choice)
         stream.pos = kept
         resident.tokens = request.tokens[:kept]
         resident.prefilled = kept
@@ -401,9 +414,46 @@ class Conclave:
             lead.twins.append(stream)
         if cache is not None and self._saver is not None:
             stream.snapshots = self._snapshot_points(request, kept)
-        stream.handle.put(Started(kept, restore_ms, time.perf_counter()))
+        stream.handle.put(Started(kept, restore_ms, time.perf_counter(), choice))
         stream.state = _State.PREFILLING
         self._prefilled_to(stream)
+
+    def _look_on_disk(
+        self, cache: PrefixCache, request: StreamRequest, kept: int
+    ) -> tuple[CacheHit | None, ReadOffer | None, Choice | None]:
+        """A longer prefix than memory's `kept` tokens, if the disk has one and reading it is
+        expected to cost less than prefilling what it gives (worker/restore_cost.py); the
+        state found and what was decided of it either way."""
+        looked: list[tuple[ReadOffer, Choice]] = []
+
+        def pays(offer: ReadOffer) -> bool:
+            looked.append((offer, self.costs.choose(offer, kept)))
+            return looked[-1][1].restore
+
+        hit = cache.lookup(request.tokens, kept + 1, request.breaks, pays)
+        offer, choice = looked[-1] if looked else (None, None)
+        return (hit if hit is not None and hit.n_tokens > kept else None), offer, choice
+
+    def _account_start(
+        self,
+        kept: int,
+        restored: ReadOffer | None,
+        restore_ms: float | None,
+        choice: Choice | None,
+    ) -> None:
+        """Count where a prompt's first `kept` tokens came from (`shared.prefix_cache`'s
+        worker counters), and learn from a restore's time."""
+        accounts = self._cache_for(None)
+        if accounts is None:
+            return
+        if restored is None or restore_ms is None:
+            accounts.count(prompts=1, memory_hits=int(kept > 0), memory_hit_tokens=kept)
+            return
+        self.costs.restored(restored, restore_ms / 1000)
+        saved_s = choice.prefill_s if choice is not None and choice.prefill_s else 0.0
+        accounts.count(
+            prompts=1, restore_ms=round(restore_ms), prefill_saved_ms=round(saved_s * 1000)
+        )
 
     def _lead_at_start(self, stream: _Stream, reuse: Reuse | None) -> _Stream | None:
         """The decoding stream a starting one may twin from its first row on, with no copy of
@@ -480,11 +530,13 @@ class Conclave:
         request, position = stream.request, stream.pos
         end = chunk_end(position, request.prefill_end, self._block_tokens, request.breaks)
         # Split at n_batch as Llama.eval does, so every cell matches a lone run's.
+        started = time.perf_counter()
         with prompt_chunk_kernels():
             for start in range(position, end, self.llama.n_batch):
                 stop = min(start + self.llama.n_batch, end)
                 rows = [(request.tokens[p], p, stream.seq) for p in range(start, stop)]
                 self._decode(rows, logits=False)
+        self.costs.prefilled(end - position, time.perf_counter() - started)
         assert stream.resident is not None
         stream.resident.tokens.extend(request.tokens[position:end])
         stream.resident.prefilled = stream.pos = end
@@ -631,7 +683,7 @@ class Conclave:
             for stream in batch:
                 self._fail(stream, exc)
             return
-        self._pass_cost.record(len(rows), time.perf_counter() - started)
+        self._passed(len(rows), time.perf_counter() - started)
         ties = []
         for row, stream in zip(firsts, batch, strict=True):
             if stream.drafts is not None:
@@ -657,11 +709,19 @@ class Conclave:
                 continue
             self._take(stream, self._logits(0))
 
+    def _passed(self, rows: int, seconds: float) -> None:
+        self._pass_cost.record(rows, seconds)
+        if self._budget is not None:
+            self._budget.passed(rows, seconds)
+
     def _lone_step(self, stream: _Stream) -> None:
         """Decode one stream's next token in a batch of its own, as a lone run does."""
         exact_greedy = self._exact and stream.request.sampling.greedy
         try:
+            started = time.perf_counter()
             self._decode([(stream.next_token, stream.pos, stream.seq)], logits=True)
+            if self._budget is not None:
+                self._budget.passed(1, time.perf_counter() - started)
             logits = self._logits(0)
             if stream.exact_until < stream.pos:  # it reads cells a batched step wrote
                 if exact_greedy and is_near_tie(logits, TIE_MARGIN):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from worker.conclave.drafts import Mode
+from worker.restore_cost import Choice
 from worker.sampling import Sampling
 
 # Prefill order between priority classes: the rq queue a job came from (shared/queues.py).
@@ -78,6 +79,7 @@ class Started:
     cached_tokens: int  # restored from memory or disk instead of prefilled
     restore_ms: float | None  # time spent reading a prefix from disk, if one was read
     prefill_started: float  # perf_counter when prefill of the rest began
+    choice: Choice | None = None  # a prefix found on disk: whether it was restored, and why
 
 
 @dataclass(frozen=True, slots=True)
