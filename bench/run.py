@@ -17,6 +17,7 @@ from pathlib import Path
 from bench import (
     attention_rows,
     batch_rows,
+    cache_storage,
     chat_document,
     choices,
     chunk_shape,
@@ -91,6 +92,11 @@ def _prefix_cache_sections(redis_url: str, log_dir: Path, quick: bool) -> list[s
         _settings(redis_url, "smollm2-135m"), n_docs=20 if quick else 100
     )
     return [prefix_cache.TTFT_HEADER + "\n".join(rows) + "\n", storage]
+
+
+def _cache_storage_section(redis_url: str, log_dir: Path, quick: bool) -> str:
+    settings = _settings(redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, n_threads=2)
+    return cache_storage.section(settings, log_dir, rounds=1 if quick else 3)
 
 
 def _chat_document_section(redis_url: str, log_dir: Path, server: Path | None) -> str:
@@ -273,6 +279,7 @@ def main() -> None:
             "job_path",
             "prefix_cache",
             "restore",
+            "cache_storage",
             "chat_document",
             "result_cache",
             "warm",
@@ -338,6 +345,7 @@ def main() -> None:
             "job_path": lambda: [_job_path_section(redis_url, log_dir, args.quick)],
             "prefix_cache": lambda: _prefix_cache_sections(redis_url, log_dir, args.quick),
             "restore": lambda: [_restore_section(redis_url, log_dir, args.quick)],
+            "cache_storage": lambda: [_cache_storage_section(redis_url, log_dir, args.quick)],
             "chat_document": lambda: [_chat_document_section(redis_url, log_dir, args.peer_server)],
             "result_cache": lambda: [_result_cache_section(redis_url, log_dir, args.quick)],
             "warm": lambda: [_warm_section(redis_url, log_dir, args.quick)],
