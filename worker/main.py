@@ -31,6 +31,11 @@ from worker.worker import ConclaveWorker
 log = logging.getLogger(__name__)
 
 
+def _prefill_key(settings: Settings, llama: llama_cpp.Llama) -> str:
+    """What a prefill rate depends on: the model file, build and CPU kernels, the threads."""
+    return f"{cache_fingerprint(settings)}|threads={llama.context_params.n_threads}"
+
+
 def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> ConclaveEngine:
     """`rows_invariant`: whether batched rows equal lone ones; None checks it on the model."""
     worker = settings.worker
@@ -80,7 +85,10 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
         truncatable=truncatable,
         exact=worker.exact_batching,
         startup=startup,
-        costs=RestoreCosts(settings.cache_dir if cache is not None else None),
+        costs=RestoreCosts(
+            settings.cache_dir if cache is not None else None,
+            (settings.data_dir / "prefill-rates.json", _prefill_key(settings, llama)),
+        ),
         budget=budget if saver is not None else None,
     )
     return ConclaveEngine(llama, conclave, settings.n_ctx, cache, saver)

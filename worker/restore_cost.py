@@ -12,18 +12,22 @@ estimates from its own measurements (`RestoreCosts.choose`):
 - prefilling: the tokens the restore would give, at the rate this worker's recent prefill
   chunks ran.
 
-Before any prefill has been measured there is nothing to compare, and the restore is taken.
-The choice and both estimates go into the job's timings (`Timings.restore_choice`).
+The prefill rate is kept in the data directory for the model, build and threads, so a
+restarted worker starts from it; before any prefill was ever measured there is nothing to
+compare, and the restore is taken. The choice and both estimates go into the job's timings
+(`Timings.restore_choice`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.prefix_cache import ReadOffer
+from shared.prefix_cache.fingerprint import read_json, write_json
 from shared.prefix_cache.residency import uncached_read_rate
 
 SMOOTHING = 0.3  # weight of a new measurement in a rate's moving average
@@ -33,6 +37,7 @@ SMOOTHING = 0.3  # weight of a new measurement in a rate's moving average
 MEMORY_PRIOR = 2e9
 PREFILL_WINDOW = 16  # recent prefill chunks whose tokens and seconds give the prefill rate
 MOSTLY = 0.5  # a restore teaches the disk rate when more than this share came from the disk
+KEEP_EVERY_S = 60.0  # how often a changed prefill rate is written to its record
 
 
 class Rate:
@@ -68,12 +73,18 @@ def choice_timings(choice: Choice | None) -> dict[str, object]:
 
 
 class RestoreCosts:
-    def __init__(self, directory: Path | None) -> None:
+    def __init__(self, directory: Path | None, record: tuple[Path, str] | None = None) -> None:
         """`directory`: the cache's, whose uncached read rate is measured now, on a thread of
-        its own (seconds on a slow disk); None: nothing to measure."""
+        its own (seconds on a slow disk); None: nothing to measure. `record`: a JSON file and
+        the key (naming the model, build and threads) under which the prefill rate is kept."""
         self.memory = Rate(MEMORY_PRIOR)
         self.disk = Rate()
-        self._chunks: deque[tuple[int, float]] = deque(maxlen=PREFILL_WINDOW)
+        self._chunks: deque[tuple[float, float]] = deque(maxlen=PREFILL_WINDOW)
+        self._record = record
+        self._kept_at = -KEEP_EVERY_S  # the first measured chunk is kept at once
+        kept = read_json(record[0]).get(record[1]) if record is not None else None
+        if isinstance(kept, (int, float)) and kept > 0:
+            self._chunks.append((float(kept), 1.0))  # a second's worth, soon outweighed
         if directory is not None:
             threading.Thread(
                 target=self._probe, args=(directory,), name="read-probe", daemon=True
@@ -87,6 +98,11 @@ class RestoreCosts:
     def prefilled(self, tokens: int, seconds: float) -> None:
         """A prefill chunk of `tokens` ran in `seconds`."""
         self._chunks.append((tokens, seconds))
+        now = time.monotonic()
+        if self._record is not None and now - self._kept_at >= KEEP_EVERY_S:
+            self._kept_at = now
+            path, key = self._record
+            write_json(path, {**read_json(path), key: self.prefill_per_s()})
 
     def prefill_per_s(self) -> float | None:
         tokens = sum(t for t, _ in self._chunks)

@@ -43,6 +43,8 @@ class SaveBudget:
     def passed(self, rows: int, seconds: float) -> None:
         """The model thread ran a decode pass of `rows` rows in `seconds`."""
         with self._changed:
+            if self._accounts is not None:
+                self._accounts.count(decode_pass_ms=round(seconds * 1000))
             baseline = self._lone.estimate(rows)
             if not self._saving:
                 self._lone.record(rows, seconds)

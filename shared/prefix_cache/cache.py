@@ -145,6 +145,7 @@ COUNTERS = {
     "save_ms": "CPU time the saver spent writing snapshots",
     "saves_deferred": "Snapshots held back while saves had used their share of decode time",
     "saves_dropped": "Snapshots never written: the saver was too far behind",
+    "decode_pass_ms": "Time of every decode pass",
     "saving_steps": "Decode passes run while a save was under way",
     "saving_step_ms": "Time of the decode passes run while a save was under way",
     "saving_step_baseline_ms": "Time the same decode passes took with no save under way",

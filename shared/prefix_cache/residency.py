@@ -20,6 +20,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 PROBE_BYTES = 4 * 2**20  # long enough that a disk's seek is a small part of the read
+# The probe stops reading after this long: on a slow disk it would otherwise hold the disk for
+# seconds while the first jobs' restores wait behind it (seen at 1 MB/s).
+PROBE_S = 0.25
+PIECE = 256 * 1024
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -65,8 +69,9 @@ def resident_bytes(path: Path) -> int | None:
 
 def uncached_read_rate(directory: Path, n_bytes: int = PROBE_BYTES) -> float | None:
     """Bytes per second reading a file of `directory` that the page cache does not hold: a
-    file of our own is written, synced, dropped from the page cache and read back. None when
-    the directory cannot be written or the cache not dropped (then nothing is known)."""
+    file of our own is written, synced, dropped from the page cache and read back, for at most
+    `PROBE_S`. None when the directory cannot be written or the cache not dropped (then
+    nothing is known)."""
     path = directory / f".read-probe-{uuid.uuid4().hex}"
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -82,9 +87,9 @@ def uncached_read_rate(directory: Path, n_bytes: int = PROBE_BYTES) -> float | N
             return None  # the page cache kept it (some file systems ignore the advice)
         started = time.perf_counter()
         read = 0
-        while chunk := os.pread(fd, 2**20, read):
+        while (chunk := os.pread(fd, PIECE, read)) and time.perf_counter() - started < PROBE_S:
             read += len(chunk)
-        return read / max(time.perf_counter() - started, 1e-9)
+        return (read + len(chunk)) / max(time.perf_counter() - started, 1e-9)
     except OSError as exc:
         log.warning("cannot measure how fast %s reads: %s", directory, exc)
         return None

@@ -138,10 +138,10 @@ def test_a_state_loaded_over_a_copy_source_does_not_reach_the_copy(llama: Llama)
     # The source, now the only idle sequence, goes to a stream restoring another state from
     # disk before anything decodes: what the loop's `_restore` does.
     taken = memory.claim(None, None)
-    assert taken.seq == source.seq and memory.copies_pending_from(taken.seq)
+    assert taken.seq == source.seq and memory.copies_pending()
     decode(llama, [(0, 0, taken.seq)])  # the loop's throwaway cell (without it, this fails)
     memory.copies_made()
-    assert not memory.copies_pending_from(taken.seq)
+    assert not memory.copies_pending()
     assert kv_state.restore_into(llama, taken.seq, other_state, len(other.tokens))
 
     assert_same([expected], [next_logits(llama, copy, tokens)])

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import Stack
+from tests.harness import REPO, Stack
 from tests.integration.test_job_path import events, submit, wait_status
 
+DASHBOARD = REPO / "deploy" / "grafana-dashboard.json"
 DOC = " ".join(f"Invoice {i}: {i * 3 % 17} boxes of tea shipped to Lyon." for i in range(30))
 
 
@@ -50,6 +52,17 @@ def test_metrics_reflect_jobs_and_a_cache_hit(stack_factory: Callable[..., Stack
     assert after["granary_cache_hit_tokens_total{}"] >= second["usage"]["cached_tokens"]
     assert after["granary_cache_bytes_written_total{}"] > 0
     assert after["granary_cache_entries{}"] >= 1
+    # What the workers counted: two prompts, the second restored from disk, with the prefill
+    # time it saved at the rate the first worker measured and kept for the next one.
+    assert after["granary_cache_prompts_total{}"] == 2
+    assert after["granary_cache_memory_hits_total{}"] == 0
+    assert after["granary_cache_restores_skipped_total{}"] == 0
+    assert after["granary_cache_prefill_saved_seconds_total{}"] > 0
+    assert second["timings"]["restore_choice"] == "restore"
+    assert second["timings"]["recompute_estimate_ms"] > 0
+    # The Grafana dashboard charts only what is exported.
+    charted = set(re.findall(r"granary_\w+", DASHBOARD.read_text()))
+    assert charted and charted <= {name.split("{")[0] for name in after}
 
 
 def test_cancelled_queued_job_is_counted(stack_factory: Callable[..., Stack]) -> None:

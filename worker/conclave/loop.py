@@ -47,6 +47,7 @@ from shared.prefix_cache import (
 )
 from worker import kv_state
 from worker.chunk_ends import chunk_end, chunk_ends, snapshot_points
+from worker.conclave.disk_reads import DiskReads
 from worker.conclave.drafts import Acceptance, PassCost, StreamDrafts
 from worker.conclave.memory import Memory, Resident, Reuse
 from worker.conclave.near_tie import TIE_MARGIN, is_near_tie
@@ -83,9 +84,20 @@ CacheFor = Callable[[str | None], PrefixCache | None]
 
 class _State(Enum):
     WAITING = "waiting"  # no sequence yet
+    READING = "reading"  # its prefix is being read from disk, off the model thread
     PREFILLING = "prefilling"
     DECODING = "decoding"
     HOLDING = "holding"  # prefilled, kept for the job's other streams to fork
+
+
+@dataclass(frozen=True, slots=True)
+class DiskRead:
+    """What the disk gave a starting stream (`Conclave._look_on_disk`)."""
+
+    hit: CacheHit | None  # a longer prefix than memory's, to restore
+    offer: ReadOffer | None  # the state found, restored or not
+    choice: Choice | None  # whether it was worth reading, and why
+    seconds: float  # the lookup and read, on the reading thread
 
 
 @dataclass(eq=False)
@@ -120,6 +132,7 @@ class _Stream:
     twins: list[_Stream] = field(default_factory=list)
     own_until: int = 0
     ended: bool = False
+    read_from: float = 0.0  # Reading: perf_counter when its prefix was asked of the disk
 
     @property
     def request(self) -> StreamRequest:
@@ -181,6 +194,7 @@ class Conclave:
         self._capacity = max(llama.n_batch, n_seq)
         self._batch = llama_cpp.llama_batch_init(self._capacity, 0, 1)
         self._wake = threading.Event()
+        self._reads: DiskReads[_Stream, DiskRead] = DiskReads(self._wake)
         self._lock = threading.Lock()
         self._incoming: list[_Stream] = []
         # Callers of `forget` waiting for the model thread to have dropped idle memory.
@@ -258,6 +272,7 @@ class Conclave:
             self._stopping = True
         self._wake.set()
         self._thread.join()
+        self._reads.close()
         llama_cpp.llama_batch_free(self._batch)
 
     # --- the model thread ------------------------------------------------------------------
@@ -302,6 +317,7 @@ class Conclave:
     def _turn(self) -> bool:
         """One turn of the loop; False when there was nothing to do."""
         self._sweep()
+        self._finish_read()
         self._start_waiting()
         worked = self._prefill()
         if worked:  # a prefill that just ended starts its followers, in time for its first step
@@ -328,7 +344,13 @@ class Conclave:
         """Start the streams `plan_admission` admits; the others wait, some for a leader."""
         streams = {s.arrival: s for s in self._streams}
         waiting = [_waiting(s) for s in self._streams if s.state is _State.WAITING]
-        prefilling = {s.arrival: s.pos for s in self._streams if s.state is _State.PREFILLING}
+        # A stream reading its prefix from disk leads as one prefilling does: its followers
+        # wait for what it restores instead of reading it again.
+        prefilling = {
+            s.arrival: s.pos
+            for s in self._streams
+            if s.state in (_State.PREFILLING, _State.READING)
+        }
         plan = plan_admission(
             waiting,
             prefilling,
@@ -383,47 +405,82 @@ class Conclave:
         )
 
     def _start(self, stream: _Stream) -> None:
+        """Give the stream a sequence with what memory holds of its prompt; if the disk may
+        hold more, read it off the model thread (`_finish_read` goes on), else start now."""
         request = stream.request
         limit = request.prefill_end
         reuse = self._memory.best_reuse(request.namespace, request.tokens, limit, request.breaks)
         kept = reuse.tokens if reuse is not None else 0
-        cache = self._cache_for(request.namespace)
-        started = time.perf_counter()
-        hit, offer, choice = None, None, None
-        if cache is not None and kept < limit:
-            hit, offer, choice = self._look_on_disk(cache, request, kept)
-            if hit is not None:
-                reuse = None  # the disk holds more: a copy of memory would be overwritten
         lead = self._lead_at_start(stream, reuse)
         resident = self._memory.claim(request.namespace, None if lead else reuse)
         stream.resident = resident
-        restore_ms = None
-        if hit is not None:
-            kept = self._restore(stream, hit)
-            restore_ms = (time.perf_counter() - started) * 1000
-        self._account_start(kept, offer if hit is not None else None, restore_ms, choice)
+        self._hold(stream, kept)
+        if lead is not None:  # no cells of its own until it parts: none to offer for reuse
+            resident.prefilled, resident.breaks, resident.documents = 0, (), {}
+            stream.twin_of, stream.own_until = lead, 0
+            lead.twins.append(stream)
+        cache = self._cache_for(request.namespace)
+        if cache is not None and kept < limit:
+            stream.state, stream.read_from = _State.READING, time.perf_counter()
+            self._reads.submit(stream, lambda: self._look_on_disk(cache, request, kept))
+            return
+        self._begin(stream, None)
+
+    def _hold(self, stream: _Stream, kept: int) -> None:
+        """The stream's sequence holds the first `kept` tokens of its prompt."""
+        request, resident = stream.request, stream.resident
+        assert resident is not None
         stream.pos = kept
         resident.tokens = request.tokens[:kept]
         resident.prefilled = kept
         resident.breaks = tuple(b for b in request.breaks if b <= kept)
         resident.keep_documents(kept)
         resident.label(request.document)
-        if lead is not None:  # no cells of its own until it parts: none to offer for reuse
-            resident.prefilled, resident.breaks, resident.documents = 0, (), {}
-            stream.twin_of, stream.own_until = lead, 0
-            lead.twins.append(stream)
-        if cache is not None and self._saver is not None:
-            stream.snapshots = self._snapshot_points(request, kept)
-        stream.handle.put(Started(kept, restore_ms, time.perf_counter(), choice))
+
+    def _finish_read(self) -> None:
+        """Restore what the disk gave a reading stream (a memory copy) and start it."""
+        finished = self._reads.finished()
+        if finished is None:
+            return
+        stream, read = finished
+        try:
+            if stream.ended:  # cancelled while its prefix was read
+                return
+            if isinstance(read, Exception):
+                self._begin(stream, None)
+                return
+            restore_ms = None
+            if read.hit is not None:
+                kept = self._restore(stream, read.hit)  # 0: it did not load, memory's is gone
+                self._hold(stream, kept)
+                if kept:
+                    restore_ms = (time.perf_counter() - stream.read_from) * 1000
+                    assert read.offer is not None
+                    self.costs.restored(read.offer, read.seconds)
+            self._begin(stream, read, restore_ms)
+        except Exception as exc:
+            self._fail(stream, exc)
+        finally:
+            self._reads.taken()
+
+    def _begin(
+        self, stream: _Stream, read: DiskRead | None, restore_ms: float | None = None
+    ) -> None:
+        """Start prefilling from what the stream's sequence holds."""
+        request = stream.request
+        choice = None if read is None else read.choice
+        self._account_start(stream.pos, read, restore_ms)
+        if self._cache_for(request.namespace) is not None and self._saver is not None:
+            stream.snapshots = self._snapshot_points(request, stream.pos)
+        stream.handle.put(Started(stream.pos, restore_ms, time.perf_counter(), choice))
         stream.state = _State.PREFILLING
         self._prefilled_to(stream)
 
-    def _look_on_disk(
-        self, cache: PrefixCache, request: StreamRequest, kept: int
-    ) -> tuple[CacheHit | None, ReadOffer | None, Choice | None]:
-        """A longer prefix than memory's `kept` tokens, if the disk has one and reading it is
-        expected to cost less than prefilling what it gives (worker/restore_cost.py); the
-        state found and what was decided of it either way."""
+    def _look_on_disk(self, cache: PrefixCache, request: StreamRequest, kept: int) -> DiskRead:
+        """On the reading thread: a longer prefix than memory's `kept` tokens, if the disk has
+        one and reading it is expected to cost less than prefilling what it gives
+        (worker/restore_cost.py); what was decided of it either way."""
+        started = time.perf_counter()
         looked: list[tuple[ReadOffer, Choice]] = []
 
         def pays(offer: ReadOffer) -> bool:
@@ -432,24 +489,20 @@ class Conclave:
 
         hit = cache.lookup(request.tokens, kept + 1, request.breaks, pays)
         offer, choice = looked[-1] if looked else (None, None)
-        return (hit if hit is not None and hit.n_tokens > kept else None), offer, choice
+        if hit is not None and hit.n_tokens <= kept:
+            hit = None
+        return DiskRead(hit, offer, choice, time.perf_counter() - started)
 
-    def _account_start(
-        self,
-        kept: int,
-        restored: ReadOffer | None,
-        restore_ms: float | None,
-        choice: Choice | None,
-    ) -> None:
+    def _account_start(self, kept: int, read: DiskRead | None, restore_ms: float | None) -> None:
         """Count where a prompt's first `kept` tokens came from (`shared.prefix_cache`'s
-        worker counters), and learn from a restore's time."""
+        worker counters)."""
         accounts = self._cache_for(None)
         if accounts is None:
             return
-        if restored is None or restore_ms is None:
+        if read is None or read.hit is None or restore_ms is None:
             accounts.count(prompts=1, memory_hits=int(kept > 0), memory_hit_tokens=kept)
             return
-        self.costs.restored(restored, restore_ms / 1000)
+        choice = read.choice
         saved_s = choice.prefill_s if choice is not None and choice.prefill_s else 0.0
         accounts.count(
             prompts=1, restore_ms=round(restore_ms), prefill_saved_ms=round(saved_s * 1000)
@@ -479,9 +532,10 @@ class Conclave:
         return lead if same and lead.next_token == request.tokens[limit] else None
 
     def _restore(self, stream: _Stream, hit: CacheHit) -> int:
-        if self._memory.copies_pending_from(stream.seq):
-            # One throwaway cell makes llama.cpp copy out of the sequence before it is loaded
-            # over; the restore drops the cell.
+        if self._memory.copies_pending():
+            # One throwaway cell makes llama.cpp make its queued copies (out of this sequence,
+            # or into it: memory's prefix, claimed before the disk was read) before the state
+            # is loaded over; the restore drops the cell.
             self._decode([(0, 0, stream.seq)], logits=False)
         if kv_state.restore_into(self.llama, stream.seq, hit.state, hit.n_tokens):
             return hit.n_tokens

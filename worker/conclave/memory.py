@@ -169,10 +169,11 @@ class Memory:
         """Only cells [0, `cells`) of `resident` hold what its tokens say."""
         self._cut(resident, cells)
 
-    def copies_pending_from(self, seq: int) -> bool:
-        """Whether a queued copy still reads `seq`: a state loaded into it first would be what
-        the copy gets, so the loader must have a decode run before (see `copies_made`)."""
-        return seq in self._copy_sources
+    def copies_pending(self) -> bool:
+        """Whether llama.cpp has copies queued: a state loaded into their source or target
+        before they are made would be copied, or copied over, so the loader must have a
+        decode run first (see `copies_made`)."""
+        return bool(self._copy_sources)
 
     def copies_made(self) -> None:
         """A decode ran: llama.cpp made every queued copy."""
