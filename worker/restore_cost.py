@@ -79,7 +79,9 @@ class RestoreCosts:
         the key (naming the model, build and threads) under which the prefill rate is kept."""
         self.memory = Rate(MEMORY_PRIOR)
         self.disk = Rate()
+        # Appended by the model thread, read by the thread that reads from disk.
         self._chunks: deque[tuple[float, float]] = deque(maxlen=PREFILL_WINDOW)
+        self._chunks_lock = threading.Lock()
         self._record = record
         self._kept_at = -KEEP_EVERY_S  # the first measured chunk is kept at once
         kept = read_json(record[0]).get(record[1]) if record is not None else None
@@ -97,7 +99,8 @@ class RestoreCosts:
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         """A prefill chunk of `tokens` ran in `seconds`."""
-        self._chunks.append((tokens, seconds))
+        with self._chunks_lock:
+            self._chunks.append((tokens, seconds))
         now = time.monotonic()
         if self._record is not None and now - self._kept_at >= KEEP_EVERY_S:
             self._kept_at = now
@@ -105,8 +108,9 @@ class RestoreCosts:
             write_json(path, {**read_json(path), key: self.prefill_per_s()})
 
     def prefill_per_s(self) -> float | None:
-        tokens = sum(t for t, _ in self._chunks)
-        seconds = sum(s for _, s in self._chunks)
+        with self._chunks_lock:
+            tokens = sum(t for t, _ in self._chunks)
+            seconds = sum(s for _, s in self._chunks)
         return tokens / seconds if tokens and seconds > 0 else None
 
     def read_s(self, offer: ReadOffer) -> float:

@@ -43,11 +43,11 @@ class DiskReads(Generic[Key, Result]):
     def submit(self, key: Key, read: Callable[[], Result]) -> None:
         self._requests.put((key, read))
 
-    def finished(self) -> tuple[Key, Result | Exception] | None:
-        """The read done, if one is (its exception if it raised); the caller must then call
-        `taken` once it no longer uses what was read."""
+    def finished(self, wait_s: float = 0.0) -> tuple[Key, Result | Exception] | None:
+        """The read done, if one is within `wait_s` (its exception if it raised); the caller
+        must then call `taken` once it no longer uses what was read."""
         try:
-            return self._done.get_nowait()
+            return self._done.get(timeout=wait_s) if wait_s > 0 else self._done.get_nowait()
         except queue.Empty:
             return None
 

@@ -79,6 +79,10 @@ from worker.save_budget import SaveBudget
 log = logging.getLogger(__name__)
 
 Logits = npt.NDArray[np.float32]
+# A lookup that finds nothing, or a state the page cache holds, is done in a few milliseconds:
+# waiting that long for it keeps such a start in its turn, as when it was read on the model
+# thread; a longer read goes on while the other streams run.
+QUICK_READ_S = 0.01
 CacheFor = Callable[[str | None], PrefixCache | None]
 
 
@@ -423,6 +427,7 @@ class Conclave:
         if cache is not None and kept < limit:
             stream.state, stream.read_from = _State.READING, time.perf_counter()
             self._reads.submit(stream, lambda: self._look_on_disk(cache, request, kept))
+            self._finish_read(QUICK_READ_S)
             return
         self._begin(stream, None)
 
@@ -437,9 +442,9 @@ class Conclave:
         resident.keep_documents(kept)
         resident.label(request.document)
 
-    def _finish_read(self) -> None:
+    def _finish_read(self, wait_s: float = 0.0) -> None:
         """Restore what the disk gave a reading stream (a memory copy) and start it."""
-        finished = self._reads.finished()
+        finished = self._reads.finished(wait_s)
         if finished is None:
             return
         stream, read = finished
