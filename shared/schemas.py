@@ -521,6 +521,7 @@ class CacheReport(BaseModel):
     restores_skipped: int = 0
     restore_ms: int = 0
     prefill_saved_ms: int = 0
+    saves: int = 0
     save_ms: int = 0
     saves_deferred: int = 0
     saves_dropped: int = 0

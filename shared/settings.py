@@ -106,10 +106,9 @@ class CacheSettings(BaseModel):
     # A state that extends a stored one stores only its own cells (plain-attention models;
     # shared/prefix_cache/deltas.py). Off: every state is stored whole.
     deltas: bool = True
-    # The most of decode time saving snapshots may cost streams: saves wait while what they
-    # added to decode passes exceeds this share of them (worker/save_budget.py); 0: save only
-    # while no stream decodes.
-    save_budget_share: float = Field(0.15, ge=0, le=1)
+    # How much slower than with no save decode passes may run beside one: once a save slowed
+    # them more, saves wait while the model is busy (worker/save_yield.py; the seeds' alarm).
+    save_slowdown_limit: float = Field(0.15, ge=0)
 
 
 class ResultCacheSettings(BaseModel):

@@ -25,7 +25,7 @@ from worker.kernels import build_stamp, exact_row_limit
 from worker.model import load_model, memory_is_truncatable, warm_up
 from worker.prefix_saver import PrefixSaver
 from worker.restore_cost import RestoreCosts
-from worker.save_budget import SaveBudget
+from worker.save_yield import SaveYield
 from worker.worker import ConclaveWorker
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,8 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
     llama = load_model(settings, n_seq)
     truncatable = memory_is_truncatable(llama)
     cache = open_cache(settings, truncatable=truncatable) if settings.cache.enabled else None
-    budget = SaveBudget(settings.cache.save_budget_share, cache)
-    saver = PrefixSaver(budget=budget, accounts=cache) if cache is not None else None
+    yielding = SaveYield(settings.cache.save_slowdown_limit, cache)
+    saver = PrefixSaver(yielding=yielding, accounts=cache) if cache is not None else None
     namespaced: dict[str, PrefixCache] = {}
 
     def cache_for(namespace: str | None) -> PrefixCache | None:
@@ -89,7 +89,7 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
             settings.cache_dir if cache is not None else None,
             (settings.data_dir / "prefill-rates.json", _prefill_key(settings, llama)),
         ),
-        budget=budget if saver is not None else None,
+        yielding=yielding if saver is not None else None,
     )
     return ConclaveEngine(llama, conclave, settings.n_ctx, cache, saver)
 

@@ -9,7 +9,7 @@ after its first token (`snapshots`): each point's state is cut from that capture
 The thread keeps the process's CPU priority. At nice 19 it never took a core from llama.cpp's
 threads, but under steady load it starved: the storage bench's back-to-back documents had
 their snapshots dropped, and a cache that stops saving under load stops getting faster. What
-it may take from decoding streams is a measured budget instead (worker/save_budget.py).
+it may take from decoding streams is measured instead, and it yields (worker/save_yield.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from llama_cpp import Llama
 
 from shared.prefix_cache import PrefixCache, StateLayout, first_cells, parse_state
 from worker import kv_state
-from worker.save_budget import SaveBudget
+from worker.save_yield import SaveYield
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +50,12 @@ class PrefixSaver:
     def __init__(
         self,
         max_pending: int = 4,
-        budget: SaveBudget | None = None,
+        yielding: SaveYield | None = None,
         accounts: PrefixCache | None = None,
     ) -> None:
-        """`budget`: what saves may cost decoding streams (None: no limit); `accounts`: the
+        """`yielding`: when saves wait for the model (None: never); `accounts`: the
         cache whose counters record the saver's time and drops."""
-        self._budget = budget
+        self._yielding = yielding
         self._accounts = accounts
         self._pending: queue.Queue[_Snapshot | None] = queue.Queue(max_pending)
         self._spare: queue.SimpleQueue[Buffer] = queue.SimpleQueue()
@@ -119,8 +119,10 @@ class PrefixSaver:
         return kv_state.capture(llama, seq, buffer)
 
     def flush(self) -> None:
-        """Wait until every submitted snapshot is written (tests, shutdown)."""
-        self._pending.join()
+        """Wait until every submitted snapshot is written (a warm job, `forget`, shutdown):
+        asked for, the writes do not wait for the model."""
+        with self._yielding.hurried() if self._yielding else nullcontext():
+            self._pending.join()
 
     def close(self) -> None:
         self._pending.put(_STOP)
@@ -129,13 +131,15 @@ class PrefixSaver:
     def _run(self) -> None:
         while (item := self._pending.get()) is not _STOP:
             cache, cuts, state, layout, buffer = item
-            if self._budget is not None:
-                self._budget.wait_turn()
+            if self._yielding is not None:
+                self._yielding.wait_turn()
             started = time.thread_time()
             try:
-                with self._budget.saving() if self._budget is not None else nullcontext():
+                with self._yielding.saving() if self._yielding else nullcontext():
                     for tokens, breaks in cuts:
                         self._save(cache, tokens, breaks, state, layout)
+                        if self._accounts is not None:
+                            self._accounts.count(saves=1)
             except Exception:  # the cache must never take the worker down
                 log.exception("saving a prefix snapshot failed")
             finally:

@@ -128,7 +128,7 @@ class EntryInfo:
 
 # Per-process counters, with what each counts; workers sum them in Redis
 # (shared.prefix_cache.counters). The first six are the disk cache's own, the rest what a worker
-# counts of its memory, restores and saves (worker/restore_cost.py, worker/save_budget.py).
+# counts of its memory, restores and saves (worker/restore_cost.py, worker/save_yield.py).
 COUNTERS = {
     "hits": "Prompts that restored a prefix from disk",
     "misses": "Disk lookups that found no prefix",
@@ -142,6 +142,7 @@ COUNTERS = {
     "restores_skipped": "Prefixes on disk not read: prefilling them was expected to cost less",
     "restore_ms": "Time reading, verifying and loading the states restored",
     "prefill_saved_ms": "Expected time of prefilling the tokens restored instead",
+    "saves": "Snapshots the saver wrote (or found stored)",
     "save_ms": "CPU time the saver spent writing snapshots",
     "saves_deferred": "Snapshots held back while saves had used their share of decode time",
     "saves_dropped": "Snapshots never written: the saver was too far behind",

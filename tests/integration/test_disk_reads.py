@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from shared.llm import render_prompt, tokenize
-from shared.schemas import JobRequest
 from shared.prefix_cache.blobs import DirectoryBlobStore
+from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.conftest import DATA_DIR
 from worker.conclave.engine import ConclaveEngine

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
 from shared.prefix_cache import PrefixCache, ReadOffer
 from shared.prefix_cache.blobs import MemoryBlobStore
 from worker.restore_cost import MEMORY_PRIOR, RestoreCosts, choice_timings
-from worker.save_budget import IDLE_S, SaveBudget
+from worker.save_yield import SaveYield
 
 MB = 10**6
 
@@ -67,57 +68,72 @@ def test_the_prefill_rate_is_of_the_recent_chunks_by_their_tokens() -> None:
     assert measured.prefill_per_s() == pytest.approx(268 / (12 / 64 + 256 / 190))
 
 
+def test_a_restarted_worker_starts_from_the_prefill_rate_it_kept(tmp_path: Path) -> None:
+    record = (tmp_path / "prefill-rates.json", "model|threads=2")
+    first = RestoreCosts(None, record)
+    assert first.prefill_per_s() is None
+    first.prefilled(256, 1.0)  # the first chunk is kept at once
+    assert RestoreCosts(None, record).prefill_per_s() == pytest.approx(256)
+    # Another model's rate is its own.
+    assert RestoreCosts(None, (record[0], "other|threads=2")).prefill_per_s() is None
+
+
 def accounts() -> PrefixCache:
     return PrefixCache(MemoryBlobStore(), "fp")
 
 
-def test_saves_wait_while_they_have_cost_decoding_more_than_their_share() -> None:
-    counted = accounts()
-    budget = SaveBudget(0.15, counted)
+def slowed(
+    counted: PrefixCache | None, limit: float, beside_s: float, **options: float
+) -> SaveYield:
+    """A model decoding 8-row passes of 80 ms, and a save during which one took `beside_s`."""
+    yielding = SaveYield(limit, counted, **options)
+    yielding.busy(True)
     for _ in range(5):
-        budget.passed(8, 0.080)  # the lone baseline of an 8-row pass
-    assert not budget.wait_turn()  # nothing owed: a save starts at once
-    # Five passes earned 60 ms; a save made one pass take 300 ms: 220 ms owed, 45 ms earned.
-    with budget.saving():
-        budget.passed(8, 0.300)
+        yielding.passed(8, 0.080)  # the lone baseline
+    assert not yielding.wait_turn()  # no save has slowed anything: it starts at once
+    with yielding.saving():
+        yielding.passed(8, beside_s)
+    return yielding
+
+
+def test_once_a_save_slowed_decoding_past_the_limit_saves_wait_for_the_model_to_wait() -> None:
+    counted = accounts()
+    yielding = slowed(counted, 0.15, 0.300)  # 3.75 times its baseline
     assert counted.counters()["saving_step_ms"] == 300
     assert counted.counters()["saving_step_baseline_ms"] == 80
-    waited = threading.Event()
-    done = threading.Event()
+    assert counted.counters()["decode_pass_ms"] == 5 * 80 + 300
+    asked, done = threading.Event(), threading.Event()
 
     def save() -> None:
-        waited.set()
-        budget.wait_turn()
+        asked.set()
+        yielding.wait_turn()
         done.set()
 
     saver = threading.Thread(target=save)
     saver.start()
-    waited.wait()
-    passes = 0
-    while not done.is_set():
-        assert passes < 50, "the saver never got its turn"
-        budget.passed(8, 0.080)  # each pass earns 12 ms of the 115 ms still owed
-        passes += 1
-        done.wait(0.01)
-    saver.join()
-    assert passes >= 10  # not before the debt was paid
-    assert counted.counters()["saves_deferred"] == 1
+    asked.wait()
+    for _ in range(5):  # the model goes on decoding: the save waits
+        yielding.passed(8, 0.080)
+    assert not done.is_set()
+    yielding.busy(False)  # the model thread waits for work: the save goes
+    saver.join(timeout=60)
+    assert done.is_set() and counted.counters()["saves_deferred"] == 1
 
 
-def test_with_no_stream_decoding_a_save_waits_for_no_budget() -> None:
-    budget = SaveBudget(0.0)
-    budget.passed(1, 0.02)
-    with budget.saving():
-        budget.passed(1, 0.5)  # deep in debt, and nothing will earn it back
-    started = threading.Event()
-    done = threading.Event()
+def test_a_save_within_the_limit_keeps_the_next_from_waiting() -> None:
+    yielding = slowed(None, 0.15, 0.090)  # 1.125 times its baseline
+    assert not yielding.wait_turn()
 
-    def save() -> None:
-        started.set()
-        budget.wait_turn()
-        done.set()
 
-    threading.Thread(target=save).start()
-    started.wait()
-    # No pass for IDLE_S: the model is not decoding, so the save goes.
-    assert done.wait(IDLE_S * 20)
+def test_saves_someone_waits_for_do_not_wait_for_the_model() -> None:
+    yielding = slowed(None, 0.15, 0.300)
+    with yielding.hurried():  # a warm job flushing its snapshot while others decode
+        assert not yielding.wait_turn()
+
+
+def test_a_deferred_save_tries_again_after_the_retry_time() -> None:
+    yielding = slowed(None, 0.15, 0.300, retry_s=0.2)
+    assert yielding.wait_turn()  # deferred while the model stays busy, then it tries
+    with yielding.saving():
+        yielding.passed(8, 0.085)  # saves no longer slow it (say, fewer streams now)
+    assert not yielding.wait_turn()

@@ -74,7 +74,7 @@ from worker.kernels import exact_row_limit, prompt_chunk_kernels
 from worker.prefix_saver import PrefixSaver
 from worker.restore_cost import Choice, RestoreCosts
 from worker.sampling import sample
-from worker.save_budget import SaveBudget
+from worker.save_yield import SaveYield
 
 log = logging.getLogger(__name__)
 
@@ -162,17 +162,17 @@ class Conclave:
         startup: Callable[[], bool],
         exact: bool = True,
         costs: RestoreCosts | None = None,
-        budget: SaveBudget | None = None,
+        yielding: SaveYield | None = None,
     ) -> None:
         """`startup` runs first on the model thread, before any job: the warm-up decode, then
         whether batched rows equal lone ones (`rows_invariant`). If it raises, so does this.
         `costs`: what decides between restoring a prefix from disk and prefilling it again;
-        `budget`: the saver's, told what each decode pass took."""
+        `yielding`: the saver's, told what each decode pass took and when the model waits."""
         self.llama = llama
         self._cache_for = cache_for
         self._saver = saver
         self.costs = costs or RestoreCosts(None)
-        self._budget = budget
+        self._yielding = yielding
         self._block_tokens = block_tokens
         self._min_snapshot_tokens = min_snapshot_tokens
         self._truncatable = truncatable
@@ -315,8 +315,10 @@ class Conclave:
                 self._fail_all(exc)
                 worked = False
             if not worked:
+                self._waiting_for_work(True)
                 self._wake.wait()
                 self._wake.clear()
+                self._waiting_for_work(False)
 
     def _turn(self) -> bool:
         """One turn of the loop; False when there was nothing to do."""
@@ -768,10 +770,14 @@ class Conclave:
                 continue
             self._take(stream, self._logits(0))
 
+    def _waiting_for_work(self, waiting: bool) -> None:
+        if self._yielding is not None:  # saves deferred for the model go while it waits
+            self._yielding.busy(not waiting)
+
     def _passed(self, rows: int, seconds: float) -> None:
         self._pass_cost.record(rows, seconds)
-        if self._budget is not None:
-            self._budget.passed(rows, seconds)
+        if self._yielding is not None:
+            self._yielding.passed(rows, seconds)
 
     def _lone_step(self, stream: _Stream) -> None:
         """Decode one stream's next token in a batch of its own, as a lone run does."""
@@ -779,8 +785,8 @@ class Conclave:
         try:
             started = time.perf_counter()
             self._decode([(stream.next_token, stream.pos, stream.seq)], logits=True)
-            if self._budget is not None:
-                self._budget.passed(1, time.perf_counter() - started)
+            if self._yielding is not None:
+                self._yielding.passed(1, time.perf_counter() - started)
             logits = self._logits(0)
             if stream.exact_until < stream.pos:  # it reads cells a batched step wrote
                 if exact_greedy and is_near_tie(logits, TIE_MARGIN):
