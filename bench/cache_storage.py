@@ -208,13 +208,13 @@ def saves_beside_decoding(
     return out
 
 
-def section(settings: Settings, log_dir: Path, rounds: int) -> str:
+def section(settings: Settings, log_dir: Path, rounds: int, decode_rounds: int) -> str:
     reason = unavailable()
     if reason is not None:
         return f"{HEADER}\nNot measured on this host: {reason}.\n"
     with tempfile.TemporaryDirectory(dir=log_dir) as tmp, throttled_storage(Path(tmp)) as disk:
         pairs = restore_or_recompute(settings, log_dir, disk, rounds)
-        decoding = saves_beside_decoding(settings, log_dir, disk, rounds)
+        decoding = saves_beside_decoding(settings, log_dir, disk, decode_rounds)
     return HEADER + _pairs_table(pairs) + _accounting(pairs) + _decoding_text(decoding)
 
 

@@ -96,7 +96,9 @@ def _prefix_cache_sections(redis_url: str, log_dir: Path, quick: bool) -> list[s
 
 def _cache_storage_section(redis_url: str, log_dir: Path, quick: bool) -> str:
     settings = _settings(redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, n_threads=2)
-    return cache_storage.section(settings, log_dir, rounds=1 if quick else 3)
+    return cache_storage.section(
+        settings, log_dir, rounds=1 if quick else 3, decode_rounds=1 if quick else 5
+    )
 
 
 def _chat_document_section(redis_url: str, log_dir: Path, server: Path | None) -> str:

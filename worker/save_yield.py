@@ -7,18 +7,20 @@ several times their time with none (docs/BENCHMARKS.md, "The prefix cache on slo
 The OS priority does not solve it: at nice 19 the saver starved under steady load and its
 snapshots were dropped, whether or not they would have slowed anything.
 
-So the saver measures what it costs. Each decode pass's time is compared with the same pass
-(its row count) run with no save under way: the lone baseline, a moving average. A save whose
-passes took more than `1 + limit` times their baseline slowed decoding past the limit (the
-seeds' alarm: 15%); from then on a save waits while the model is busy (a deferred save), and
-goes when the model thread waits for work, or after `RETRY_S`, when one save tries again
-whether saves still slow it (fewer streams, more cores). While saves wait, the bounded queue
-in front of the saver fills and new snapshots are dropped: both counted. Saves someone waits
-for (a warm job's, `granary cache forget`, shutdown) do not wait.
+So the saver measures what it costs. Each decode pass's time is compared with the same pass (its
+row count) run with no save under way: the lone baseline, a moving average. A save whose passes
+(those it overlapped at all: most saves are shorter than a pass) took more than `1 + limit`
+times their baseline slowed decoding past the limit (the seeds' alarm: 15%); from then on a save
+waits while the model is busy (a deferred save), and goes when the model thread waits for work,
+or after `RETRY_S`, when one save tries again whether saves still slow it (fewer streams, more
+cores). While saves wait, the bounded queue in front of the saver fills and new snapshots are
+dropped: both counted. Saves someone waits for (a warm job's, `granary cache forget`, shutdown)
+do not wait.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -41,6 +43,7 @@ class SaveYield:
         self._accounts = accounts
         self._lone = PassCost()
         self._saving = False
+        self._saved_at = -math.inf  # when the last save ended
         self._beside_s = self._beside_baseline_s = 0.0  # the passes of the save under way
         self._slowed_at: float | None = None  # when a save last slowed decoding past the limit
         self._busy = False  # the model thread is computing, not waiting for work
@@ -51,11 +54,16 @@ class SaveYield:
         """The model thread ran a decode pass of `rows` rows in `seconds`."""
         with self._changed:
             baseline = self._lone.estimate(rows)
-            if not self._saving:
+            # Beside a save if one ran at any time during the pass: most saves are shorter.
+            beside = self._saving or self._saved_at > time.monotonic() - seconds
+            if not beside:
                 self._lone.record(rows, seconds)
             elif baseline is not None:
+                # The last save's passes so far decide whether saves slow the model.
                 self._beside_s += seconds
                 self._beside_baseline_s += baseline
+                slowed = self._beside_s > (1 + self._limit) * self._beside_baseline_s
+                self._slowed_at = time.monotonic() if slowed else None
                 self._count(
                     saving_steps=1,
                     saving_step_ms=round(seconds * 1000),
@@ -105,9 +113,7 @@ class SaveYield:
         finally:
             with self._changed:
                 self._saving = False
-                if self._beside_baseline_s > 0:  # else it ran beside no decode pass
-                    slowed = self._beside_s > (1 + self._limit) * self._beside_baseline_s
-                    self._slowed_at = time.monotonic() if slowed else None
+                self._saved_at = time.monotonic()
 
     def _count(self, **deltas: int) -> None:
         if self._accounts is not None:

@@ -315,7 +315,7 @@ class PrefixCache:
         for usable, name in sorted(ranked, reverse=True):
             if usable < min_tokens:
                 break
-            if pays is not None and not pays(self._offer(name, usable)):
+            if pays is not None and not self._worth_reading(name, usable, pays):
                 raise _NotWorthReading
             hit = self._load(tokens, marker_dir, name, breaks)
             if hit is not None:
@@ -352,6 +352,20 @@ class PrefixCache:
             if usable > 0:
                 out.append((usable, name))
         return out
+
+    def _worth_reading(self, name: str, tokens: int, pays: ReadPays) -> bool:
+        """Asked first of blob `name` alone, from its size (a delta's chain reads more, so if
+        that does not pay, nothing is read to learn the rest: on a slow disk even a head costs),
+        then, for a delta, of its whole chain."""
+        key = blob_key(self._fp, name)
+        stat = self._store.stat(key)
+        if stat is None:
+            return True  # gone: the load finds it so and repairs the index
+        alone = ReadOffer(tokens, stat.size_bytes, self._store.resident_bytes(key) or 0)
+        if not pays(alone):
+            return False
+        chain = self._offer(name, tokens)
+        return chain == alone or pays(chain)
 
     def _offer(self, name: str, tokens: int) -> ReadOffer:
         """What restoring blob `name` would read: it and, for a delta, its bases (their heads

@@ -428,16 +428,21 @@ def test_a_restore_is_offered_with_every_file_of_its_chain_before_any_is_read() 
     for tokens in (SYSTEM, doc, turn):
         assert cache.save(tokens, fake_state(tokens))
     files = [store.stat(key_of(t)) for t in (SYSTEM, doc, turn)]
+    chain_bytes = sum(f.size_bytes for f in files if f is not None)
+    top = files[-1].size_bytes if files[-1] is not None else 0
     offers: list[ReadOffer] = []
 
-    def decline(offer: ReadOffer) -> bool:
+    def decline_the_chain(offer: ReadOffer) -> bool:
         offers.append(offer)
-        return False
+        return offer.bytes < chain_bytes
 
-    assert cache.lookup([*turn, 1], pays=decline) is None
-    chain_bytes = sum(f.size_bytes for f in files if f is not None)
-    # A memory store holds every byte in memory.
-    assert offers == [ReadOffer(len(turn), chain_bytes, chain_bytes)]
+    assert cache.lookup([*turn, 1], pays=decline_the_chain) is None
+    # Asked of the delta alone first (from its size), then of its chain; a memory store holds
+    # every byte in memory.
+    assert offers == [
+        ReadOffer(len(turn), top, top),
+        ReadOffer(len(turn), chain_bytes, chain_bytes),
+    ]
     assert cache.counters()["restores_skipped"] == 1
     assert cache.counters()["hits"] == cache.counters()["misses"] == 0
     # Told yes, the same lookup restores the same state as one never asked.

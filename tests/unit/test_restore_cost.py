@@ -137,3 +137,14 @@ def test_a_deferred_save_tries_again_after_the_retry_time() -> None:
     with yielding.saving():
         yielding.passed(8, 0.085)  # saves no longer slow it (say, fewer streams now)
     assert not yielding.wait_turn()
+
+
+def test_a_save_shorter_than_the_pass_it_slowed_still_counts() -> None:
+    yielding = SaveYield(0.15, retry_s=0.2)
+    yielding.busy(True)
+    for _ in range(5):
+        yielding.passed(8, 0.080)
+    with yielding.saving():
+        pass  # a save that ended before the pass it ran beside
+    yielding.passed(8, 0.300)
+    assert yielding.wait_turn()  # deferred: it slowed that pass past the limit

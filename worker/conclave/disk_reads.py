@@ -25,6 +25,7 @@ Key = TypeVar("Key")
 Result = TypeVar("Result")
 
 _STOP = None
+CLOSE_WAIT_S = 30.0  # a read under way when the worker stops (a hung network disk: daemon)
 
 
 class DiskReads(Generic[Key, Result]):
@@ -58,7 +59,7 @@ class DiskReads(Generic[Key, Result]):
         self._closing = True
         self._requests.put(_STOP)
         self._free.release()
-        self._thread.join()
+        self._thread.join(timeout=CLOSE_WAIT_S)
 
     def _run(self) -> None:
         while True:
