@@ -46,7 +46,7 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
     llama = load_model(settings, n_seq)
     truncatable = memory_is_truncatable(llama)
     cache = open_cache(settings, truncatable=truncatable) if settings.cache.enabled else None
-    yielding = SaveYield(settings.cache.save_slowdown_limit, cache)
+    yielding = SaveYield(settings.cache.save_slowdown_limit, cache) if cache is not None else None
     saver = PrefixSaver(yielding=yielding, accounts=cache) if cache is not None else None
     namespaced: dict[str, PrefixCache] = {}
 
@@ -89,7 +89,7 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
             settings.cache_dir if cache is not None else None,
             (settings.data_dir / "prefill-rates.json", _prefill_key(settings, llama)),
         ),
-        yielding=yielding if saver is not None else None,
+        yielding=yielding,
     )
     return ConclaveEngine(llama, conclave, settings.n_ctx, cache, saver)
 

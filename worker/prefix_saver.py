@@ -8,8 +8,9 @@ after its first token (`snapshots`): each point's state is cut from that capture
 
 The thread keeps the process's CPU priority. At nice 19 it never took a core from llama.cpp's
 threads, but under steady load it starved: the storage bench's back-to-back documents had
-their snapshots dropped, and a cache that stops saving under load stops getting faster. What
-it may take from decoding streams is measured instead, and it yields (worker/save_yield.py).
+their snapshots dropped whether or not saving slowed anything, and a cache that stops saving
+under load stops getting faster. It yields only where saving measurably slows decoding
+(worker/save_yield.py).
 """
 
 from __future__ import annotations
