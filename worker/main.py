@@ -117,7 +117,7 @@ def run_worker(settings: Settings) -> None:
     )
     tasks.bind(runtime)
     try:
-        worker = waiter.call(lambda: _rq_worker(redis, settings, waiter, engine))
+        worker = waiter.call(lambda: _rq_worker(redis, settings, waiter, engine, counters))
         worker.work(logging_level=settings.log_level)
     finally:
         engine.close()
@@ -126,9 +126,19 @@ def run_worker(settings: Settings) -> None:
 
 
 def _rq_worker(
-    redis: Redis, settings: Settings, waiter: RedisWaiter, engine: ConclaveEngine
+    redis: Redis,
+    settings: Settings,
+    waiter: RedisWaiter,
+    engine: ConclaveEngine,
+    counters: CounterPublisher | None,
 ) -> ConclaveWorker:
     conclave = engine.conclave
+
+    def forget() -> None:
+        engine.forget()
+        if counters is not None:  # the snapshots it wrote count now, not at the next job's end
+            counters.publish()
+
     return ConclaveWorker(
         redis,
         settings.worker,
@@ -137,5 +147,5 @@ def _rq_worker(
         conclave.free_sequences,
         conclave.held_documents,
         conclave.held_changed,
-        engine.forget,
+        forget,
     )

@@ -6,6 +6,8 @@ and bytes on disk are read from the cache directory itself, which stays the sour
 
 from __future__ import annotations
 
+import threading
+
 from redis import Redis
 
 from shared import keys
@@ -19,8 +21,14 @@ class CounterPublisher:
         self._redis = redis
         self._cache = cache
         self._published: dict[str, int] = {}
+        # Jobs end on threads of their own: two publishing at once would add one change twice.
+        self._lock = threading.Lock()
 
     def publish(self) -> None:
+        with self._lock:
+            self._publish()
+
+    def _publish(self) -> None:
         current = self._cache.counters()
         deltas = {k: v - self._published.get(k, 0) for k, v in current.items()}
         deltas = {k: v for k, v in deltas.items() if v}
