@@ -25,7 +25,7 @@ import shutil
 import statistics
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +36,7 @@ import httpx
 
 from bench.paired import ForeignCpu, per_round, ratio_summary, shares_text
 from bench.prefix_cache import Run, document, drop_from_page_cache, timed_job
+from shared.schemas import CacheReport
 from shared.settings import Settings
 from tests.harness import Stack
 
@@ -278,6 +279,7 @@ def _decoding_text(rounds: list[tuple[DecodeRound, DecodeRound]]) -> str:
     median = statistics.median(ratios)
     verdict = "met" if median >= DECODE_TARGET else "MISSED"
     counted = [on.counted for on, _ in rounds]
+    reports = [CacheReport(enabled=True, **c) for c in counted]
     shares = [s for on, off in rounds for s in (on.foreign, off.foreign)]
     return f"""
 ### Saves beside decoding
@@ -291,9 +293,9 @@ off: {ratio_summary(ratios)}** (target ≥ {DECODE_TARGET:.2f}: {verdict}).
 Per cache-on round, from the worker's counters: snapshots written {_each(counted, "saves")},
 deferred {_each(counted, "saves_deferred")}, dropped {_each(counted, "saves_dropped")}; saver
 CPU {", ".join(f"{c['save_ms'] / 1000:.1f} s" for c in counted)}; decode passes beside a save
-against the same passes with none {", ".join(_ratio(c, "saving_step_ms", c["saving_step_baseline_ms"]) for c in counted)};
+against the same passes with none {_ratios(r.saving_step_ratio for r in reports)};
 all decode time against its time with no save (the seeds' alarm: 1.15)
-{", ".join(_ratio(c, "decode_pass_ms", c["decode_pass_ms"] - c["saving_step_ms"] + c["saving_step_baseline_ms"]) for c in counted)}.
+{_ratios(r.decode_vs_baseline for r in reports)}.
 Foreign CPU per run: {shares_text(shares)}.
 """
 
@@ -302,8 +304,8 @@ def _each(counted: list[dict[str, int]], name: str) -> str:
     return ", ".join(str(c.get(name, 0)) for c in counted)
 
 
-def _ratio(counted: dict[str, int], name: str, baseline: int) -> str:
-    return f"{counted[name] / baseline:.2f}×" if baseline > 0 else "–"
+def _ratios(ratios: Iterable[float | None]) -> str:
+    return ", ".join("–" if r is None else f"{r:.2f}×" for r in ratios)
 
 
 def _tok_s(rounds: list[DecodeRound]) -> str:

@@ -144,11 +144,11 @@ COUNTERS = {
     "prefill_saved_ms": "Expected time of prefilling the tokens restored instead",
     "saves": "Snapshots the saver wrote (or found stored)",
     "save_ms": "CPU time the saver spent writing snapshots",
-    "saves_deferred": "Snapshots held back while saves had used their share of decode time",
+    "saves_deferred": "Snapshots that waited for the model: saves had slowed decoding too much",
     "saves_dropped": "Snapshots never written: the saver was too far behind",
     "decode_pass_ms": "Time of every decode pass",
-    "saving_steps": "Decode passes run while a save was under way",
-    "saving_step_ms": "Time of the decode passes run while a save was under way",
+    "saving_steps": "Decode passes a save ran beside (at any time during the pass)",
+    "saving_step_ms": "Time of the decode passes a save ran beside",
     "saving_step_baseline_ms": "Time the same decode passes took with no save under way",
 }
 
