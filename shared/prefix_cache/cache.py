@@ -305,6 +305,8 @@ class PrefixCache:
             if n <= len(tokens) and blob_id == prefix_key(
                 tokens, self._block_tokens, self._fp, n_tokens=n, chain=chain
             ):
+                if pays is not None and not self._may_pay(name, n, limit, breaks, pays):
+                    raise _NotWorthReading  # known before its head is read
                 usable = self._usable_prefix(name, n, limit, breaks)
                 if usable > 0:
                     ranked.append((usable, name))
@@ -353,19 +355,35 @@ class PrefixCache:
                 out.append((usable, name))
         return out
 
+    def _may_pay(
+        self, name: str, n: int, limit: int, breaks: frozenset[int], pays: ReadPays
+    ) -> bool:
+        """Whether blob `name` (a prefix of the prompt, `n` tokens) could be worth reading at
+        the most its breaks could let the prompt restore: asked before its head is read (on a
+        slow disk even a head costs a read)."""
+        upper = max(self.usable(n, n, limit, breaks), self.usable(n, n, limit, breaks, breaks))
+        alone = self._alone(name, upper)
+        return upper < 1 or alone is None or pays(alone)
+
     def _worth_reading(self, name: str, tokens: int, pays: ReadPays) -> bool:
         """Asked first of blob `name` alone, from its size (a delta's chain reads more, so if
-        that does not pay, nothing is read to learn the rest: on a slow disk even a head costs),
-        then, for a delta, of its whole chain."""
-        key = blob_key(self._fp, name)
-        stat = self._store.stat(key)
-        if stat is None:
+        that does not pay, nothing is read to learn the rest), then, for a delta, of its whole
+        chain."""
+        alone = self._alone(name, tokens)
+        if alone is None:
             return True  # gone: the load finds it so and repairs the index
-        alone = ReadOffer(tokens, stat.size_bytes, self._store.resident_bytes(key) or 0)
         if not pays(alone):
             return False
         chain = self._offer(name, tokens)
         return chain == alone or pays(chain)
+
+    def _alone(self, name: str, tokens: int) -> ReadOffer | None:
+        """Reading blob `name` alone, from its size and what the page cache holds of it."""
+        key = blob_key(self._fp, name)
+        stat = self._store.stat(key)
+        if stat is None:
+            return None
+        return ReadOffer(tokens, stat.size_bytes, self._store.resident_bytes(key) or 0)
 
     def _offer(self, name: str, tokens: int) -> ReadOffer:
         """What restoring blob `name` would read: it and, for a delta, its bases (their heads

@@ -979,3 +979,16 @@ def test_a_directory_reads_at_a_measured_rate_and_keeps_no_probe(tmp_path: Path)
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "file").write_bytes(b"")
     assert uncached_read_rate(tmp_path / "file" / "under-it") is None
+
+
+def test_a_restore_that_could_not_pay_reads_not_even_a_head() -> None:
+    store = CountingStore(MemoryBlobStore())
+    cache = make_cache(store)
+    assert cache.save(P[:16], state_for(P[:16]), (12,))
+    store.calls.clear()
+    # The prompt shares the stored state's break: what it may restore depends on the state's
+    # breaks, which only its head says; a no from its size alone reads nothing.
+    assert cache.lookup([*P, 7], breaks=(12,), pays=lambda offer: False) is None
+    assert store.calls["get_head"] == store.calls["get"] == 0
+    hit = cache.lookup([*P, 7], breaks=(12,), pays=lambda offer: True)
+    assert hit is not None and hit.n_tokens == 16
