@@ -129,7 +129,7 @@ def _run(*command: str) -> str:
 
 def counters(stack: Stack) -> dict[str, int]:
     report = httpx.get(f"{stack.url}/v1/cache", timeout=30).json()
-    return {k: v for k, v in report.items() if isinstance(v, int)}
+    return {k: v for k, v in report.items() if type(v) is int}  # counters, not `enabled`
 
 
 def restore_or_recompute(
