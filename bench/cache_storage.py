@@ -159,6 +159,7 @@ def restore_or_recompute(
                     counted = {k: after[k] - before.get(k, 0) for k in after}
                     again = None
                     if storage == CONTROL_STORAGE:
+                        stack.forget()  # the cached run's own save lands before the clear
                         open_cache(local).clear()
                         stack.forget()
                         again = timed_job(stack, prompt)
