@@ -33,7 +33,8 @@ run: $(STAMP)
 	$(BIN)/granary up
 
 test: $(TEST_STAMP) tools
-	$(BIN)/python -m pytest -q -ra --durations=40
+	$(BIN)/python -m pytest -q -ra --durations=40 -n 2 --dist loadgroup -m "not all_cores"
+	$(BIN)/python -m pytest -q -ra --durations=10 -m all_cores
 
 bench: $(BENCH_STAMP) wheel-stock wheel-invariant peer-server
 	$(BIN)/python -m bench.run --stock-site $(STOCK_SITE) --invariant-site $(INVARIANT_SITE) \

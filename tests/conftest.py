@@ -1,9 +1,17 @@
 """Fixtures: a real Redis, real processes (API, workers) and the real SmolLM2 model.
 
-Redis: the server named by GRANARY_TEST_REDIS (e.g. redis://127.0.0.1:6390, for suites run side
-by side), else 127.0.0.1:6379 when it answers (this machine kind runs one), else a private server
-started here. Each test stack gets its own Redis database, so stacks never see each other's
-jobs or workers.
+`make test` runs the suite in two processes (pytest-xdist), each pinned to its own share of the
+cores: a model's threads spin while they wait for each other, so two processes whose models
+shared a core would slow each other down many times over, while pinned, each model reads on its
+own core and one process's waits (a frozen Redis, a heartbeat's TTL, a process starting) are the
+other's time to compute. Tests marked `all_cores` (the kernels split among threads) run after,
+alone, on every core.
+
+Redis: under pytest-xdist a private server per process, so the two never share a database, a
+worker list or a pub/sub channel. Otherwise the server named by GRANARY_TEST_REDIS (e.g.
+redis://127.0.0.1:6390, for suites run side by side), else 127.0.0.1:6379 when it answers (this
+machine kind runs one), else a private server started here. Each test stack gets its own Redis
+database, so stacks never see each other's jobs or workers.
 """
 
 from __future__ import annotations
@@ -43,9 +51,32 @@ MODEL_MARKERS = {"qwen2.5-coder-0.5b": "qwen", "gemma3-270m": "gemma"}
 _running: list[pytest.Item] = []
 
 
+def _xdist_share() -> tuple[int, int] | None:
+    """This process's index among pytest-xdist's and their count; None when run without it."""
+    name = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...
+    if name is None:
+        return None
+    return int(name.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    share = _xdist_share()
+    if share is not None:
+        # Children (APIs, workers, Redis) inherit the pinning; a worker's threads follow it.
+        index, count = share
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, cores[index::count] or [cores[index % len(cores)]])
+
+
+# Before pytest-xdist reads the groups and the mark plugin selects by markers.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     kept, deselected = [], []
     for item in items:
+        if _shares_a_module_fixture(item):
+            # pytest-xdist (`--dist loadgroup`) runs a group in one process, so a module's
+            # shared stack or models start once; every other test goes wherever a core is free.
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
         callspec = getattr(item, "callspec", None)
         params = callspec.params.values() if callspec is not None else ()
         models = [value for value in params if isinstance(value, str) and value in MODEL_TRAITS]
@@ -60,6 +91,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = kept
+
+
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    fixtures = getattr(item, "_fixtureinfo", None)
+    if fixtures is None:
+        return False
+    return any(
+        definitions[-1].scope in ("package", "module", "class")
+        for definitions in fixtures.name2fixturedefs.values()
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -90,10 +131,10 @@ NAMED_MODELS.update({name: _checked(named) for name, named in NAMED_MODELS.items
 
 @pytest.fixture(scope="session")
 def redis_base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if os.environ.get("GRANARY_TEST_REDIS"):
+    if _xdist_share() is None and os.environ.get("GRANARY_TEST_REDIS"):
         yield os.environ["GRANARY_TEST_REDIS"]
         return
-    if answers(DEFAULT_REDIS_URL):
+    if _xdist_share() is None and answers(DEFAULT_REDIS_URL):
         yield "redis://127.0.0.1:6379"
         return
     # Throwaway: every test empties its database anyway, so nothing is worth an fsync.

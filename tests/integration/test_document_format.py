@@ -26,10 +26,10 @@ INSTRUCTIONS = "Answer from the page only, in a few words."
 CACHE = {"block_tokens": 64, "min_tokens": 16}
 
 
-@pytest.fixture
-def api(stack_factory: Callable[..., Stack]) -> Stack:
+@pytest.fixture(scope="module")
+def api(module_stack_factory: Callable[..., Stack]) -> Stack:
     # No worker: bad input must be refused by the API itself.
-    return stack_factory(workers=0)
+    return module_stack_factory(workers=0)
 
 
 def extraction(document: str, **extra: Any) -> dict[str, Any]:

@@ -18,6 +18,9 @@ from worker.kernels import exact_rows, prompt_chunk_kernels
 from worker.main import build_conclave
 from worker.model import load_model
 
+# The rows' arithmetic must not depend on how the kernels split a pass among threads either.
+pytestmark = pytest.mark.all_cores
+
 
 @contextlib.contextmanager
 def loaded(model: str, n_seq: int, n_ctx: int = 512) -> Iterator[Llama]:

@@ -152,9 +152,16 @@ def _last_logits(llama: Llama) -> np.ndarray:
 
 
 def test_kept_tokens_have_the_full_models_logits_and_greedy_text(trimmed: Trimmed) -> None:
+    threads = Settings().threads  # the cores this process may use
     with quiet_native_logs():
         full, trim = (
-            Llama(model_path=str(p), n_ctx=256, n_threads=2, verbose=False)
+            Llama(
+                model_path=str(p),
+                n_ctx=256,
+                n_threads=threads,
+                n_threads_batch=threads,
+                verbose=False,
+            )
             for p in (trimmed.full_path, trimmed.path)
         )
     kept = trimmed.kept_ids()
