@@ -10,7 +10,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.harness import Stack
+from tests.harness import HTTP, Stack
 
 DOC = " ".join(f"Invoice {i}: {i * 3 % 17} boxes of tea shipped to Lyon." for i in range(30))
 
@@ -29,7 +29,7 @@ def bearer(key: str) -> dict[str, str]:
 
 
 def submit(stack: Stack, key: str, body: dict[str, Any]) -> dict[str, Any]:
-    response = httpx.post(f"{stack.url}/v1/jobs", json=body, headers=bearer(key))
+    response = HTTP.post(f"{stack.url}/v1/jobs", json=body, headers=bearer(key))
     assert response.status_code == 202, response.text
     job: dict[str, Any] = response.json()
     return job
@@ -40,13 +40,13 @@ def wait(stack: Stack, key: str, job_id: str) -> dict[str, Any]:
     with httpx.stream("GET", url, headers=bearer(key), timeout=120) as r:
         for _ in r.iter_lines():
             pass
-    job: dict[str, Any] = httpx.get(f"{stack.url}/v1/jobs/{job_id}", headers=bearer(key)).json()
+    job: dict[str, Any] = HTTP.get(f"{stack.url}/v1/jobs/{job_id}", headers=bearer(key)).json()
     return job
 
 
 def test_without_keys_everything_is_open(stack_factory: Callable[..., Stack]) -> None:
     stack = stack_factory(workers=0)
-    assert httpx.get(f"{stack.url}/v1/models").status_code == 200
+    assert HTTP.get(f"{stack.url}/v1/models").status_code == 200
 
 
 def test_every_v1_route_needs_a_valid_key(stack: Stack) -> None:
@@ -74,8 +74,8 @@ def test_every_v1_route_needs_a_valid_key(stack: Stack) -> None:
             assert response.status_code == 401, (method, path, headers)
             assert response.json()["error"]["type"] == "invalid_api_key"
             assert response.headers["WWW-Authenticate"] == "Bearer"
-    assert httpx.get(f"{stack.url}/healthz").status_code == 200
-    assert httpx.get(f"{stack.url}/v1/models", headers=bearer("k2")).status_code == 200
+    assert HTTP.get(f"{stack.url}/healthz").status_code == 200
+    assert HTTP.get(f"{stack.url}/v1/models", headers=bearer("k2")).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         OpenAI(base_url=f"{stack.url}/v1", api_key="wrong", max_retries=0).models.list()
 
@@ -88,10 +88,10 @@ def test_a_key_sees_and_cancels_only_its_own_jobs(stack: Stack) -> None:
     assert wait(stack, "k1", job["id"])["status"] == "finished"
     # Idempotency keys are per API key too.
     body = {"prompt": "Hello", "max_tokens": 2}
-    a = httpx.post(
+    a = HTTP.post(
         f"{stack.url}/v1/jobs", json=body, headers=bearer("k1") | {"Idempotency-Key": "x"}
     )
-    b = httpx.post(
+    b = HTTP.post(
         f"{stack.url}/v1/jobs", json=body, headers=bearer("k2") | {"Idempotency-Key": "x"}
     )
     assert a.json()["id"] != b.json()["id"]
@@ -110,12 +110,12 @@ def test_per_key_cache_namespace(stack: Stack) -> None:
 
 def test_a_key_warms_into_its_own_namespace_and_sees_only_its_runs(stack: Stack) -> None:
     body = {"document": DOC, "instructions": "Be brief."}
-    run = httpx.post(f"{stack.url}/v1/warm", json=body, headers=bearer("k1")).json()
+    run = HTTP.post(f"{stack.url}/v1/warm", json=body, headers=bearer("k1")).json()
     assert wait(stack, "k1", run["jobs"][0]["id"])["status"] == "finished"
     url = f"{stack.url}/v1/warm/runs"
-    assert httpx.get(f"{url}/{run['id']}", headers=bearer("k2")).status_code == 404
-    assert httpx.get(url, headers=bearer("k2")).json() == []
-    assert [r["id"] for r in httpx.get(url, headers=bearer("k1")).json()] == [run["id"]]
+    assert HTTP.get(f"{url}/{run['id']}", headers=bearer("k2")).status_code == 404
+    assert HTTP.get(url, headers=bearer("k2")).json() == []
+    assert [r["id"] for r in HTTP.get(url, headers=bearer("k1")).json()] == [run["id"]]
     question = {**body, "prompt": "How many invoices?", "max_tokens": 2, "temperature": 0}
     mine = wait(stack, "k1", submit(stack, "k1", question)["id"])
     theirs = wait(stack, "k2", submit(stack, "k2", question)["id"])
@@ -126,26 +126,25 @@ def test_a_key_warms_into_its_own_namespace_and_sees_only_its_runs(stack: Stack)
 def test_the_key_is_checked_before_the_body_is_read(stack: Stack) -> None:
     url = f"{stack.url}/v1/jobs"
     headers = {"Content-Type": "application/json"}
-    assert httpx.post(url, content=b"{not json", headers=headers).status_code == 401
+    assert HTTP.post(url, content=b"{not json", headers=headers).status_code == 401
     huge = b"x" * (stack.settings.api.max_body_bytes + 1)
-    assert httpx.post(url, content=huge, headers=headers).status_code == 401
+    assert HTTP.post(url, content=huge, headers=headers).status_code == 401
     assert (
-        httpx.post(url, content=b"{not json", headers={**headers, **bearer("k1")}).status_code
-        == 400
+        HTTP.post(url, content=b"{not json", headers={**headers, **bearer("k1")}).status_code == 400
     )
 
 
 def test_docs_need_a_key_unless_opened(stack: Stack, stack_factory: Callable[..., Stack]) -> None:
     for path in ("/docs", "/openapi.json", "/redoc"):
-        assert httpx.get(f"{stack.url}{path}").status_code == 401, path
-        assert httpx.get(f"{stack.url}{path}", headers=bearer("k1")).status_code == 200, path
+        assert HTTP.get(f"{stack.url}{path}").status_code == 401, path
+        assert HTTP.get(f"{stack.url}{path}", headers=bearer("k1")).status_code == 200, path
     opened = stack_factory(workers=0, api_keys=["k1"], api={"open_docs": True})
-    assert httpx.get(f"{opened.url}/openapi.json").status_code == 200
-    assert httpx.get(f"{opened.url}/v1/models").status_code == 401
+    assert HTTP.get(f"{opened.url}/openapi.json").status_code == 200
+    assert HTTP.get(f"{opened.url}/v1/models").status_code == 401
 
 
 def test_cache_report_shows_no_paths(stack: Stack) -> None:
-    response = httpx.get(f"{stack.url}/v1/cache", headers=bearer("k1"))
+    response = HTTP.get(f"{stack.url}/v1/cache", headers=bearer("k1"))
     report = response.json()
     assert "dir" not in report
     assert str(stack.settings.cache_dir) not in response.text

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import redis
 
-from tests.harness import Stack
+from tests.harness import HTTP, Stack
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,8 @@ def api(shared_api: Stack) -> Stack:
 def post(api: Stack, body: Any = None, content: bytes | None = None) -> httpx.Response:
     if content is not None:
         headers = {"Content-Type": "application/json"}
-        return httpx.post(f"{api.url}/v1/jobs", content=content, headers=headers)
-    return httpx.post(f"{api.url}/v1/jobs", json=body)
+        return HTTP.post(f"{api.url}/v1/jobs", content=content, headers=headers)
+    return HTTP.post(f"{api.url}/v1/jobs", json=body)
 
 
 def assert_error(response: httpx.Response, status: int, field: str | None) -> str:
@@ -119,12 +119,12 @@ def test_unknown_job_is_404(api: Stack) -> None:
 
 
 def test_bad_headers(api: Stack) -> None:
-    response = httpx.post(
+    response = HTTP.post(
         f"{api.url}/v1/jobs", json={"prompt": "hi"}, headers={"Idempotency-Key": "k" * 300}
     )
     assert_error(response, 400, "Idempotency-Key")
     job = post(api, {"prompt": "hi"}).json()
-    response = httpx.get(f"{api.url}/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": "x"})
+    response = HTTP.get(f"{api.url}/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": "x"})
     assert_error(response, 400, "Last-Event-ID")
 
 
@@ -137,7 +137,7 @@ def test_refused_requests_never_reach_the_queue(api: Stack) -> None:
 
 
 def test_readyz_without_workers_is_503(api: Stack) -> None:
-    response = httpx.get(f"{api.url}/readyz")
+    response = HTTP.get(f"{api.url}/readyz")
     assert response.status_code == 503
     assert "worker" in response.json()["error"]["message"]
 
@@ -165,11 +165,11 @@ def test_generated_requests_never_get_a_server_error(stack_factory: Callable[...
 
 
 def test_field_names_survive_unions_and_location_words(api: Stack) -> None:
-    response = httpx.post(f"{api.url}/v1/warm", json={"prompt": "hi", "path": "x"})
+    response = HTTP.post(f"{api.url}/v1/warm", json={"prompt": "hi", "path": "x"})
     assert_error(response, 400, "path")
-    response = httpx.post(f"{api.url}/v1/completions", json={"prompt": [1, 2, 3]})
+    response = HTTP.post(f"{api.url}/v1/completions", json={"prompt": [1, 2, 3]})
     assert_error(response, 400, "prompt")
-    response = httpx.post(f"{api.url}/v1/completions", json={"prompt": "hi", "max_tokens": "9"})
+    response = HTTP.post(f"{api.url}/v1/completions", json={"prompt": "hi", "max_tokens": "9"})
     assert_error(response, 400, "max_tokens")
 
 
@@ -179,7 +179,7 @@ def test_field_names_survive_unions_and_location_words(api: Stack) -> None:
 def test_a_body_that_is_not_declared_json_is_415(api: Stack, content_type: str | None) -> None:
     # What curl sends with -d, and what a web page can send without a CORS preflight.
     headers = {"Content-Type": content_type} if content_type else {}
-    response = httpx.post(f"{api.url}/v1/jobs", content=b'{"prompt": "Hello"}', headers=headers)
+    response = HTTP.post(f"{api.url}/v1/jobs", content=b'{"prompt": "Hello"}', headers=headers)
     message = assert_error(response, 415, "Content-Type")
     assert "Content-Type: application/json" in message
     assert redis.Redis.from_url(api.settings.redis_url).keys("granary:job:*") == []
@@ -187,7 +187,7 @@ def test_a_body_that_is_not_declared_json_is_415(api: Stack, content_type: str |
 
 def test_json_with_a_charset_is_json(api: Stack) -> None:
     headers = {"Content-Type": "application/json; charset=utf-8"}
-    response = httpx.post(f"{api.url}/v1/jobs", content=b'{"prompt": "Hi"}', headers=headers)
+    response = HTTP.post(f"{api.url}/v1/jobs", content=b'{"prompt": "Hi"}', headers=headers)
     assert response.status_code == 202, response.text
 
 
@@ -204,27 +204,27 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(api: Stack) -> None:
     assert_error(post(api, content=big), 413, None)
     # Chunked: no Content-Length up front, counted as it arrives.
     headers = {"Content-Type": "application/json"}
-    response = httpx.post(
+    response = HTTP.post(
         f"{api.url}/v1/jobs", content=_chunks(limit + (1 << 20)), headers=headers, timeout=30
     )
     assert_error(response, 413, None)
     # Just under the limit is read and judged on its content (too long for the context).
     fits = b'{"prompt": "' + b"a " * ((limit - 20) // 2) + b'"}'
-    response = httpx.post(f"{api.url}/v1/jobs", content=fits, headers=headers, timeout=30)
+    response = HTTP.post(f"{api.url}/v1/jobs", content=fits, headers=headers, timeout=30)
     assert response.json()["error"]["type"] == "context_length_exceeded"
     assert "at least" in response.json()["error"]["message"]  # refused without tokenizing
     # The API is still serving.
-    assert httpx.get(f"{api.url}/healthz").status_code == 200
+    assert HTTP.get(f"{api.url}/healthz").status_code == 200
 
 
 def test_an_idempotency_key_reused_with_another_body_is_422(api: Stack) -> None:
     url = f"{api.url}/v1/jobs"
     headers = {"Idempotency-Key": "order-17"}
-    first = httpx.post(url, json={"prompt": "hi", "seed": 1}, headers=headers).json()
-    again = [httpx.post(url, json={"seed": 1, "prompt": "hi"}, headers=headers) for _ in range(19)]
+    first = HTTP.post(url, json={"prompt": "hi", "seed": 1}, headers=headers).json()
+    again = [HTTP.post(url, json={"seed": 1, "prompt": "hi"}, headers=headers) for _ in range(19)]
     assert {r.status_code for r in again} == {202}
     assert {r.json()["id"] for r in again} == {first["id"]}
-    other = httpx.post(url, json={"prompt": "bye", "seed": 1}, headers=headers)
+    other = HTTP.post(url, json={"prompt": "bye", "seed": 1}, headers=headers)
     assert_error(other, 422, "Idempotency-Key")
     client = redis.Redis.from_url(api.settings.redis_url)
     assert client.llen("rq:queue:interactive") == 1

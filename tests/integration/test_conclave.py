@@ -6,11 +6,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 
-from tests.harness import Stack
+from tests.harness import HTTP, Stack
 from tests.integration.test_job_path import (
     COUNTING,
     events,
@@ -70,7 +69,7 @@ def test_cancelling_one_job_leaves_the_others_whole(stack: Stack) -> None:
     for job in jobs:
         first_tokens(stack, job["id"], 3)
     assert scrape(stack)["granary_active_jobs{queue=interactive}"] == 4
-    httpx.delete(f"{stack.url}/v1/jobs/{jobs[1]['id']}")
+    HTTP.delete(f"{stack.url}/v1/jobs/{jobs[1]['id']}")
     views = finish_all(stack, [j for i, j in enumerate(jobs) if i != 1])
     cancelled = wait_status(stack, jobs[1]["id"], {"cancelled"})
     assert cancelled["result"]["finish_reason"] == "cancelled"
@@ -115,21 +114,21 @@ def test_a_job_without_room_waits_in_redis_and_interactive_goes_before_batch(
     for job in busy:
         first_tokens(stack, job["id"], 1)
     item = {"document": "The shop opens at 9.", "questions": [{"id": "q", "question": "When?"}]}
-    batch = httpx.post(f"{stack.url}/v1/batches", json={"items": [{"custom_id": "a", **item}]})
+    batch = HTTP.post(f"{stack.url}/v1/batches", json={"items": [{"custom_id": "a", **item}]})
     assert batch.status_code == 202, batch.text
-    results = httpx.get(f"{stack.url}/v1/batches/{batch.json()['id']}/results").text
+    results = HTTP.get(f"{stack.url}/v1/batches/{batch.json()['id']}/results").text
     batch_job = orjson.loads(results.splitlines()[0])["job_id"]
     # Long too: had it ended before the look below, the batch job would have taken its slot.
     late = submit(stack, {**COUNTING, "max_tokens": 960})
     # Both slots are taken: the two wait in Redis, not in the worker.
-    assert httpx.get(f"{stack.url}/v1/jobs/{late['id']}").json()["status"] == "queued"
-    assert httpx.get(f"{stack.url}/v1/jobs/{batch_job}").json()["status"] == "queued"
-    httpx.delete(f"{stack.url}/v1/jobs/{busy[0]['id']}")
+    assert HTTP.get(f"{stack.url}/v1/jobs/{late['id']}").json()["status"] == "queued"
+    assert HTTP.get(f"{stack.url}/v1/jobs/{batch_job}").json()["status"] == "queued"
+    HTTP.delete(f"{stack.url}/v1/jobs/{busy[0]['id']}")
     # The interactive job, queued after the batch one, takes the freed slot.
     assert wait_status(stack, late["id"], {"started", "finished"})["status"] == "started"
-    assert httpx.get(f"{stack.url}/v1/jobs/{batch_job}").json()["status"] == "queued"
+    assert HTTP.get(f"{stack.url}/v1/jobs/{batch_job}").json()["status"] == "queued"
     for job in (late, busy[1]):
-        httpx.delete(f"{stack.url}/v1/jobs/{job['id']}")
+        HTTP.delete(f"{stack.url}/v1/jobs/{job['id']}")
     assert wait_status(stack, batch_job, {"finished"}, timeout_s=120)["status"] == "finished"
 
 

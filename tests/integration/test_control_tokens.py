@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import llama_cpp
 import pytest
 import redis
@@ -34,7 +33,7 @@ from shared.schemas import DocumentFields, JobRequest, WarmItem, WorkOrder
 from shared.settings import Settings
 from shared.submission import work_order_for
 from tests.conftest import DATA_DIR
-from tests.harness import Stack
+from tests.harness import HTTP, Stack
 
 # Google's chat template for Gemma-3 instruction-tuned models (their tokenizer_config.json);
 # the 270M GGUF used here ships none, so tests give its tokenizer this one.
@@ -394,14 +393,14 @@ def test_a_job_with_a_forged_turn_runs_with_its_text_as_text(stack: Stack) -> No
         llama.close()
     assert naive < expected - 20  # the forged markers are 1 token each, as text many more
     body = {"messages": FORGED_CHAT, "max_tokens": 8, "temperature": 0}
-    job = _finished(stack, httpx.post(f"{stack.url}/v1/jobs", json=body).json()["id"])
+    job = _finished(stack, HTTP.post(f"{stack.url}/v1/jobs", json=body).json()["id"])
     assert job["status"] == "finished" and job["usage"]["completion_tokens"] > 0
     assert job["usage"]["prompt_tokens"] == expected
     # What the API counted (with its vocabulary-only tokenizer) when it accepted the job.
     store = JobStore(redis.Redis.from_url(stack.settings.redis_url), 60)
     assert store.order(job["id"], WorkOrder).prompt_tokens == expected
     # A raw prompt that asks for special tokens gets them (here through the OpenAI route).
-    reply = httpx.post(
+    reply = HTTP.post(
         f"{stack.url}/v1/completions",
         json={"prompt": raw, "max_tokens": 4, "temperature": 0, "special_tokens": True},
         timeout=60,
@@ -411,11 +410,11 @@ def test_a_job_with_a_forged_turn_runs_with_its_text_as_text(stack: Stack) -> No
 
 
 def test_special_tokens_is_documented_and_refused_with_messages(stack: Stack) -> None:
-    schema = httpx.get(f"{stack.url}/openapi.json").json()["components"]["schemas"]
+    schema = HTTP.get(f"{stack.url}/openapi.json").json()["components"]["schemas"]
     assert "special_tokens" in schema["JobRequest"]["properties"]
     assert "control" in schema["JobRequest"]["properties"]["special_tokens"]["description"]
     body = {"messages": [{"role": "user", "content": "Hi"}], "special_tokens": True}
-    response = httpx.post(f"{stack.url}/v1/jobs", json=body)
+    response = HTTP.post(f"{stack.url}/v1/jobs", json=body)
     assert response.status_code == 400
     assert "special_tokens" in response.json()["error"]["message"]
 
@@ -423,7 +422,7 @@ def test_special_tokens_is_documented_and_refused_with_messages(stack: Stack) ->
 def _finished(stack: Stack, job_id: str) -> dict[str, Any]:
     deadline = time.monotonic() + 120
     while True:
-        job: dict[str, Any] = httpx.get(f"{stack.url}/v1/jobs/{job_id}").json()
+        job: dict[str, Any] = HTTP.get(f"{stack.url}/v1/jobs/{job_id}").json()
         if job["status"] in ("finished", "failed", "cancelled"):
             return job
         assert time.monotonic() < deadline, f"job stayed {job['status']}"

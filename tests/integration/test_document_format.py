@@ -8,7 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 import redis
@@ -16,7 +15,7 @@ import redis
 from shared import keys
 from shared.normalize import normalize
 from shared.settings import Settings
-from tests.harness import Stack, settings_env
+from tests.harness import HTTP, Stack, settings_env
 from tests.integration.test_bad_input import assert_error
 from tests.integration.test_job_path import wait_status
 
@@ -70,7 +69,7 @@ def extraction(document: str, **extra: Any) -> dict[str, Any]:
 def test_bad_documents_are_refused_naming_the_field(
     api: Stack, path: str, body: dict[str, Any], field: str | None
 ) -> None:
-    response = httpx.post(f"{api.url}{path}", json=body)
+    response = HTTP.post(f"{api.url}{path}", json=body)
     if field is None:  # a schema error: pydantic names the field in its location
         assert response.status_code == 400, response.text
         error = response.json()["error"]
@@ -106,7 +105,7 @@ def test_a_facts_document_is_warmed_then_restored_whole_by_an_extraction(
     stack.stop_process("worker-1")  # only the disk holds the warmed prefix now
     stack.start_worker("worker-2")
     body = extraction(HOTEL, document_format="facts")
-    job = httpx.post(f"{stack.url}/v1/extractions", json=body).json()
+    job = HTTP.post(f"{stack.url}/v1/extractions", json=body).json()
     final = wait_status(stack, job["id"], {"finished", "failed"}, 180)
     assert final["status"] == "finished", final
     assert final["usage"]["cached_tokens"] == prefix  # the API normalised to the same bytes
@@ -132,10 +131,10 @@ def stack_order(stack: Stack, job_id: str) -> dict[str, Any]:
 def test_facts_is_the_default_and_raw_is_sent_as_is(stack_factory: Callable[..., Stack]) -> None:
     stack = stack_factory(workers=0)
     body = {"document": HOTEL, "prompt": "Price?", "max_tokens": 2}
-    job = httpx.post(f"{stack.url}/v1/jobs", json=body).json()
+    job = HTTP.post(f"{stack.url}/v1/jobs", json=body).json()
     assert (job["document"]["format"], job["document"]["used"]) == ("facts", "facts")
     assert stack_order(stack, job["id"])["document"]["document"] != HOTEL
-    raw = httpx.post(f"{stack.url}/v1/jobs", json={**body, "document_format": "raw"}).json()
+    raw = HTTP.post(f"{stack.url}/v1/jobs", json={**body, "document_format": "raw"}).json()
     assert raw["document"] is None
     assert stack_order(stack, raw["id"])["document"]["document"] == HOTEL
 
@@ -162,9 +161,9 @@ def test_granary_normalize_prints_the_text_and_token_counts(
 def test_a_bad_batch_item_fails_alone(api: Stack) -> None:
     good = {"custom_id": "good", **extraction(HOTEL, document_format="facts")}
     bad = {"custom_id": "bad", **extraction("\x00binary", document_format="facts")}
-    response = httpx.post(f"{api.url}/v1/batches", json={"items": [good, bad]})
+    response = HTTP.post(f"{api.url}/v1/batches", json={"items": [good, bad]})
     assert response.status_code == 202, response.text
-    lines = httpx.get(f"{api.url}/v1/batches/{response.json()['id']}/results").text.splitlines()
+    lines = HTTP.get(f"{api.url}/v1/batches/{response.json()['id']}/results").text.splitlines()
     results = {r["custom_id"]: r for r in map(orjson.loads, lines)}
     assert results["good"]["status"] == "queued"
     assert results["bad"]["status"] == "failed" and "binary" in results["bad"]["error"]

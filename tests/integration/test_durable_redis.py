@@ -14,14 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import redis
 
 from shared import redis_server
 from shared.redis_server import answers, ensure_redis, private_redis
 from shared.settings import Settings
-from tests.harness import Stack, free_port
+from tests.harness import HTTP, Stack, free_port
 
 # appendfsync everysec: what was written more than a second before a crash is on disk.
 FSYNC_WINDOW_S = 1.0
@@ -48,7 +47,7 @@ def _crash(url: str) -> None:
 
 
 def _submit(api: str, prompt: str) -> str:
-    response = httpx.post(f"{api}/v1/jobs", json={"prompt": prompt, "max_tokens": 4})
+    response = HTTP.post(f"{api}/v1/jobs", json={"prompt": prompt, "max_tokens": 4})
     assert response.status_code == 202, response.text
     job_id: str = response.json()["id"]
     return job_id
@@ -57,7 +56,7 @@ def _submit(api: str, prompt: str) -> str:
 def _wait_finished(api: str, job_id: str, timeout_s: float = 60) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while True:
-        job: dict[str, Any] = httpx.get(f"{api}/v1/jobs/{job_id}").json()
+        job: dict[str, Any] = HTTP.get(f"{api}/v1/jobs/{job_id}").json()
         if job["status"] in ("finished", "failed", "cancelled") or time.monotonic() > deadline:
             return job
         time.sleep(0.1)
@@ -75,7 +74,7 @@ def test_queued_jobs_survive_a_crash_of_the_private_redis(
         try:
             # No worker yet: the jobs stay queued.
             ids = [_submit(before.url, prompt) for prompt in ("One", "Two", "Three")]
-            statuses = [httpx.get(f"{before.url}/v1/jobs/{i}").json()["status"] for i in ids]
+            statuses = [HTTP.get(f"{before.url}/v1/jobs/{i}").json()["status"] for i in ids]
             assert statuses == ["queued"] * 3
         finally:
             before.stop()

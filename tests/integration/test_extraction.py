@@ -14,7 +14,7 @@ import orjson
 import pytest
 from httpx_sse import connect_sse
 
-from tests.harness import Stack, settings_env
+from tests.harness import HTTP, Stack, settings_env
 from tests.integration.test_job_path import first_tokens, is_keepalive, submit, wait_status
 
 INSTRUCTIONS = "Answer from the invoice only, in a few words."
@@ -47,7 +47,7 @@ def extraction(stack: Stack, questions: list[str], **extra: Any) -> dict[str, An
         "max_tokens": 12,
         **extra,
     }
-    response = httpx.post(f"{stack.url}/v1/extractions", json=body)
+    response = HTTP.post(f"{stack.url}/v1/extractions", json=body)
     assert response.status_code == 202, response.text
     job: dict[str, Any] = response.json()
     return job
@@ -167,7 +167,7 @@ def test_sixteen_questions_and_fields(stack: Stack) -> None:
     assert final["usage"]["cached_tokens"] == 0
     fields = {"product_line_3": "the product on line 3", "shop_line_3": "the shop of line 3"}
     body = {"document": INVOICE, "instructions": instructions, "fields": fields, "max_tokens": 6}
-    job = httpx.post(f"{stack.url}/v1/extractions", json=body).json()
+    job = HTTP.post(f"{stack.url}/v1/extractions", json=body).json()
     final = wait_status(stack, job["id"], {"finished"}, 300)
     assert set(final["extraction"]["object"]) == set(fields)
     assert final["usage"]["cached_tokens"] > 0  # the document, from the first extraction
@@ -178,7 +178,7 @@ def test_a_request_that_cannot_fit_is_refused_with_the_overflow(
 ) -> None:
     stack = stack_factory(workers=0, n_ctx=512)
     body = {"document": INVOICE, "questions": [{"id": "a", "question": "Sum?"}], "max_tokens": 400}
-    response = httpx.post(f"{stack.url}/v1/extractions", json=body)
+    response = HTTP.post(f"{stack.url}/v1/extractions", json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "context_length_exceeded"
@@ -195,7 +195,7 @@ def test_a_request_that_cannot_fit_is_refused_with_the_overflow(
         },
         {"questions": [{"id": "a", "question": "x"}]},
     ):
-        assert httpx.post(f"{stack.url}/v1/extractions", json=bad).status_code == 400, bad
+        assert HTTP.post(f"{stack.url}/v1/extractions", json=bad).status_code == 400, bad
 
 
 def batch_items(n: int) -> list[dict[str, Any]]:
@@ -214,13 +214,13 @@ def batch_items(n: int) -> list[dict[str, Any]]:
 def test_a_batch_counts_results_and_isolates_failures(stack: Stack) -> None:
     items = batch_items(3)
     items.insert(1, {**items[0], "custom_id": "too-long", "document": INVOICE * 6})
-    batch = httpx.post(f"{stack.url}/v1/batches", json={"items": items}).json()
+    batch = HTTP.post(f"{stack.url}/v1/batches", json={"items": items}).json()
     assert batch["total"] == 4 and batch["counts"]["failed"] == 1
     deadline = time.monotonic() + 300
     while batch["finished_at"] is None:
         assert time.monotonic() < deadline
         time.sleep(0.5)
-        batch = httpx.get(f"{stack.url}/v1/batches/{batch['id']}").json()
+        batch = HTTP.get(f"{stack.url}/v1/batches/{batch['id']}").json()
     assert batch["counts"] == {
         "queued": 0,
         "running": 0,
@@ -228,7 +228,7 @@ def test_a_batch_counts_results_and_isolates_failures(stack: Stack) -> None:
         "failed": 1,
         "cancelled": 0,
     }
-    lines = httpx.get(f"{stack.url}/v1/batches/{batch['id']}/results").text.splitlines()
+    lines = HTTP.get(f"{stack.url}/v1/batches/{batch['id']}/results").text.splitlines()
     results = [orjson.loads(line) for line in lines]
     assert [r["custom_id"] for r in results] == ["item-0", "too-long", "item-1", "item-2"]
     assert results[1]["status"] == "failed" and "does not fit" in results[1]["error"]
@@ -240,24 +240,24 @@ def test_a_batch_counts_results_and_isolates_failures(stack: Stack) -> None:
 
 
 def test_cancelling_a_batch_keeps_finished_items(stack: Stack) -> None:
-    batch = httpx.post(f"{stack.url}/v1/batches", json={"items": batch_items(12)}).json()
+    batch = HTTP.post(f"{stack.url}/v1/batches", json={"items": batch_items(12)}).json()
     url = f"{stack.url}/v1/batches/{batch['id']}"
     deadline = time.monotonic() + 300
-    while httpx.get(url).json()["counts"]["succeeded"] < 1:
+    while HTTP.get(url).json()["counts"]["succeeded"] < 1:
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    cancelled = httpx.delete(url).json()
+    cancelled = HTTP.delete(url).json()
     assert cancelled["counts"]["succeeded"] >= 1 and cancelled["counts"]["cancelled"] >= 1
-    final = httpx.get(url).json()
+    final = HTTP.get(url).json()
     while final["finished_at"] is None:  # a running item stops within a token
         time.sleep(0.2)
-        final = httpx.get(url).json()
+        final = HTTP.get(url).json()
     assert final["counts"]["queued"] == final["counts"]["running"] == 0
-    results = [orjson.loads(line) for line in httpx.get(f"{url}/results").text.splitlines()]
+    results = [orjson.loads(line) for line in HTTP.get(f"{url}/results").text.splitlines()]
     finished = [r for r in results if r["status"] == "finished"]
     assert len(finished) == final["counts"]["succeeded"] >= 1
     assert all(r["extraction"] is not None for r in finished)
-    assert httpx.get(f"{stack.url}/v1/batches/nope").status_code == 404
+    assert HTTP.get(f"{stack.url}/v1/batches/nope").status_code == 404
 
 
 def test_extract_and_batch_commands(stack: Stack, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import orjson
 import pytest
 from httpx_sse import ServerSentEvent, connect_sse
 
-from tests.harness import Stack
+from tests.harness import HTTP, Stack
 
 # Greedy and long-winded: SmolLM2 keeps counting well past any max_tokens used here.
 COUNTING = {"prompt": "Count: 1, 2, 3, 4, 5, 6, 7, 8,", "temperature": 0}
@@ -28,7 +28,7 @@ def stack(module_stack_factory: Callable[..., Stack]) -> Stack:
 
 
 def submit(stack: Stack, body: dict[str, Any], **headers: str) -> dict[str, Any]:
-    response = httpx.post(f"{stack.url}/v1/jobs", json=body, headers=headers)
+    response = HTTP.post(f"{stack.url}/v1/jobs", json=body, headers=headers)
     assert response.status_code == 202, response.text
     job: dict[str, Any] = response.json()
     return job
@@ -65,7 +65,7 @@ def wait_status(
 ) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while True:
-        response = httpx.get(f"{stack.url}/v1/jobs/{job_id}")
+        response = HTTP.get(f"{stack.url}/v1/jobs/{job_id}")
         assert response.status_code == 200, response.text
         job: dict[str, Any] = response.json()
         if job["status"] in statuses:
@@ -102,7 +102,7 @@ def test_prompt_job_streams_tokens_then_done(stack: Stack) -> None:
     assert final["usage"]["prompt_tokens"] > 10
     for name in ("queued_ms", "prefill_ms", "ttft_ms", "decode_tokens_per_s"):
         assert final["timings"][name] is not None and final["timings"][name] >= 0, name
-    assert httpx.get(f"{stack.url}/v1/jobs/{job['id']}").json() == final
+    assert HTTP.get(f"{stack.url}/v1/jobs/{job['id']}").json() == final
 
 
 def test_a_job_whose_first_sample_ends_it_has_a_time_to_first_token(stack: Stack) -> None:
@@ -148,7 +148,7 @@ def test_late_subscriber_and_reconnect_miss_nothing(stack: Stack) -> None:
     assert len(tokens) == 10
     assert "".join(t["text"] for t in tokens) == final["result"]["text"]
     # "\r\n" split across reads made httpx-sse deliver events without data: only "\n".
-    raw = httpx.get(f"{stack.url}/v1/jobs/{job['id']}/events").content
+    raw = HTTP.get(f"{stack.url}/v1/jobs/{job['id']}/events").content
     assert b"\r" not in raw and raw.count(b"event: token\n") == 10
     resumed = events(stack, job["id"], last_event_id="6")
     assert [data["index"] for event, _, data in resumed if event == "token"] == [7, 8, 9]
@@ -158,7 +158,7 @@ def test_late_subscriber_and_reconnect_miss_nothing(stack: Stack) -> None:
 def test_cancel_running_job_stops_within_a_few_tokens(stack: Stack) -> None:
     job = submit(stack, {**COUNTING, "max_tokens": 600})
     first_tokens(stack, job["id"], 3)
-    response = httpx.delete(f"{stack.url}/v1/jobs/{job['id']}")
+    response = HTTP.delete(f"{stack.url}/v1/jobs/{job['id']}")
     assert response.status_code == 200
     assert response.json()["status"] == "cancelled"
     stream = events(stack, job["id"])
@@ -177,16 +177,16 @@ def test_cancel_queued_job_never_runs(stack_factory: Callable[..., Stack]) -> No
     queued = submit(stack, {**COUNTING, "max_tokens": 5})
     for job in busy:
         first_tokens(stack, job["id"], 1)
-    cancelled = httpx.delete(f"{stack.url}/v1/jobs/{queued['id']}").json()
+    cancelled = HTTP.delete(f"{stack.url}/v1/jobs/{queued['id']}").json()
     assert cancelled["status"] == "cancelled"
     assert events(stack, queued["id"])[-1][2]["status"] == "cancelled"
     for job in busy:
-        httpx.delete(f"{stack.url}/v1/jobs/{job['id']}")
+        HTTP.delete(f"{stack.url}/v1/jobs/{job['id']}")
         wait_status(stack, job["id"], {"cancelled"})
     # The worker moves on past the cancelled job without running it.
     after = submit(stack, {**COUNTING, "max_tokens": 2})
     assert events(stack, after["id"])[-1][2]["status"] == "finished"
-    job = httpx.get(f"{stack.url}/v1/jobs/{queued['id']}").json()
+    job = HTTP.get(f"{stack.url}/v1/jobs/{queued['id']}").json()
     assert job["attempts"] == 0 and job["result"] is None
 
 
@@ -200,8 +200,8 @@ def test_idempotency_key_returns_the_same_job(stack: Stack) -> None:
 
 
 def test_health_and_readiness(stack: Stack) -> None:
-    assert httpx.get(f"{stack.url}/healthz").json() == {"status": "ok"}
-    ready = httpx.get(f"{stack.url}/readyz")
+    assert HTTP.get(f"{stack.url}/healthz").json() == {"status": "ok"}
+    ready = HTTP.get(f"{stack.url}/readyz")
     assert ready.status_code == 200 and ready.json()["workers"] == 1
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import REPO, Stack
+from tests.harness import HTTP, REPO, Stack
 from tests.integration.test_job_path import events, submit, wait_status
 
 DASHBOARD = REPO / "deploy" / "grafana-dashboard.json"
@@ -16,7 +15,7 @@ DOC = " ".join(f"Invoice {i}: {i * 3 % 17} boxes of tea shipped to Lyon." for i 
 
 
 def scrape(stack: Stack) -> dict[str, float]:
-    response = httpx.get(f"{stack.url}/metrics")
+    response = HTTP.get(f"{stack.url}/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     samples = {}
@@ -69,7 +68,7 @@ def test_cancelled_queued_job_is_counted(stack_factory: Callable[..., Stack]) ->
     stack = stack_factory(workers=0)
     job = submit(stack, {"prompt": "Hello", "max_tokens": 2})
     assert scrape(stack)["granary_queue_depth{queue=interactive}"] == 1
-    httpx.delete(f"{stack.url}/v1/jobs/{job['id']}")
+    HTTP.delete(f"{stack.url}/v1/jobs/{job['id']}")
     after = scrape(stack)
     assert after["granary_jobs_total{status=cancelled}"] == 1
 
@@ -77,7 +76,7 @@ def test_cancelled_queued_job_is_counted(stack_factory: Callable[..., Stack]) ->
 def test_metrics_reflect_a_warm_run(stack_factory: Callable[..., Stack]) -> None:
     stack = stack_factory(cache={"block_tokens": 64, "min_tokens": 16})
     assert scrape(stack)["granary_warm_runs_total{trigger=manual}"] == 0
-    run = httpx.post(f"{stack.url}/v1/warm", json={"document": DOC}).json()
+    run = HTTP.post(f"{stack.url}/v1/warm", json={"document": DOC}).json()
     job = wait_status(stack, run["jobs"][0]["id"], {"finished"})
     after = scrape(stack)
     assert after["granary_warm_runs_total{trigger=manual}"] == 1

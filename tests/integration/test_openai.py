@@ -12,7 +12,7 @@ import pytest
 import redis
 from openai import OpenAI
 
-from tests.harness import Stack
+from tests.harness import HTTP, Stack
 
 COUNTING = "Count: 1, 2, 3, 4, 5, 6, 7, 8,"
 DOC = " ".join(f"Invoice {i}: {i * 3 % 17} boxes of tea shipped to Lyon." for i in range(30))
@@ -143,7 +143,7 @@ def test_n_sampled_choices_share_one_prefill_and_repeat_by_seed(stack: Stack) ->
     assert whole.usage.prompt_tokens == alone[0].usage.prompt_tokens  # counted once
     assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone if a.usage)
     # The three jobs read the prompt once: two of them took the first one's cells.
-    views = [httpx.get(f"{stack.url}/v1/jobs/{j}").json() for j in job_ids(stack) - before]
+    views = [HTTP.get(f"{stack.url}/v1/jobs/{j}").json() for j in job_ids(stack) - before]
     first_three = sorted(views, key=lambda v: v["created_at"])[:3]
     reused = sorted(v["usage"]["cached_tokens"] for v in first_three)
     assert reused[1] >= whole.usage.prompt_tokens - 2, reused
@@ -181,7 +181,7 @@ def test_a_client_that_gives_up_waiting_cancels_its_job(stack: Stack) -> None:
     body = {"model": "x", "prompt": COUNTING, "max_tokens": 600, "temperature": 0}
     before = job_ids(stack)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{stack.url}/v1/completions", json=body, timeout=2)
+        HTTP.post(f"{stack.url}/v1/completions", json=body, timeout=2)
     (job_id,) = job_ids(stack) - before
     wait_until_cancelled(stack, job_id)
 
@@ -193,7 +193,7 @@ def job_ids(stack: Stack) -> set[str]:
 
 def wait_until_cancelled(stack: Stack, job_id: str) -> None:
     deadline = time.monotonic() + 30
-    while (job := httpx.get(f"{stack.url}/v1/jobs/{job_id}").json())["status"] != "cancelled":
+    while (job := HTTP.get(f"{stack.url}/v1/jobs/{job_id}").json())["status"] != "cancelled":
         assert job["status"] in ("queued", "started"), job
         assert time.monotonic() < deadline, "the job kept running after the client left"
         time.sleep(0.1)

@@ -7,12 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from shared.llm import load_llama, render_prompt, tokenize
 from shared.prefix_cache import common_prefix_len
 from shared.schemas import JobRequest
-from tests.harness import Stack
+from tests.harness import HTTP, Stack
 from tests.integration.test_job_path import events, submit
 
 DOC = " ".join(f"Invoice {i}: {i * 3 % 17} boxes of tea shipped to Lyon." for i in range(20))
@@ -27,7 +25,7 @@ def run(stack: Stack, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def cache_report(stack: Stack) -> dict[str, Any]:
-    report: dict[str, Any] = httpx.get(f"{stack.url}/v1/cache").json()
+    report: dict[str, Any] = HTTP.get(f"{stack.url}/v1/cache").json()
     return report
 
 
@@ -132,7 +130,7 @@ def _chat(stack: Stack, question: str) -> dict[str, Any]:
         "max_tokens": 16,
         "temperature": 0,
     }
-    response = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=120)
+    response = HTTP.post(f"{stack.url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     answer: dict[str, Any] = response.json()
     return answer

@@ -24,7 +24,7 @@ from shared.queues import INTERACTIVE, queue
 from shared.redis_outage import RedisWaiter
 from shared.redis_server import connect
 from shared.settings import RoutingSettings, WorkerSettings
-from tests.harness import Stack
+from tests.harness import HTTP, Stack
 from tests.integration.test_redis_outage import log_lines, wait_finished
 from tests.integration.test_stream_load import COUNTING, Heard, listen, submit, wait_streaming
 from tests.redis_process import RedisProcess
@@ -140,7 +140,7 @@ def test_a_frozen_redis_gets_fast_503s_and_loses_nothing(
     assert {name: proc.pid for name, proc in stack.procs.items() if proc.poll() is None} == pids
     deadline = time.monotonic() + 30
     while not any(
-        run["started_at"] > thawed_at for run in httpx.get(f"{stack.url}/v1/warm/runs").json()
+        run["started_at"] > thawed_at for run in HTTP.get(f"{stack.url}/v1/warm/runs").json()
     ):
         assert time.monotonic() < deadline, "no warm run after the thaw"
         time.sleep(0.5)

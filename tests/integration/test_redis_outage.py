@@ -11,7 +11,7 @@ from collections.abc import Callable
 import httpx
 import redis
 
-from tests.harness import Stack
+from tests.harness import HTTP, Stack
 from tests.integration.test_stream_load import COUNTING, Heard, listen, submit, wait_streaming
 from tests.redis_process import RedisProcess
 
@@ -29,7 +29,7 @@ def wait_finished(
 ) -> list[dict[str, object]]:
     deadline = time.monotonic() + timeout_s
     while True:
-        jobs = [httpx.get(f"{stack.url}/v1/jobs/{job_id}").json() for job_id in job_ids]
+        jobs = [HTTP.get(f"{stack.url}/v1/jobs/{job_id}").json() for job_id in job_ids]
         if all(job["status"] not in ("queued", "started") for job in jobs):
             return jobs
         assert time.monotonic() < deadline, [job["status"] for job in jobs]
@@ -52,10 +52,10 @@ def test_a_redis_outage_is_ridden_out(
     down_at = time.monotonic()
     during = []
     while time.monotonic() - down_at < OUTAGE_S:
-        late = httpx.post(f"{stack.url}/v1/jobs", json={"prompt": "Hi"}, timeout=10)
-        read = httpx.get(f"{stack.url}/v1/jobs/{jobs[1]}", timeout=10)
-        ready = httpx.get(f"{stack.url}/readyz", timeout=10)
-        alive = httpx.get(f"{stack.url}/healthz", timeout=10)
+        late = HTTP.post(f"{stack.url}/v1/jobs", json={"prompt": "Hi"}, timeout=10)
+        read = HTTP.get(f"{stack.url}/v1/jobs/{jobs[1]}", timeout=10)
+        ready = HTTP.get(f"{stack.url}/readyz", timeout=10)
+        alive = HTTP.get(f"{stack.url}/healthz", timeout=10)
         during.append((late.status_code, read.status_code, ready.status_code, alive.status_code))
         time.sleep(0.5)
     logged = {name: log_lines(stack, name)[before[name] :] for name in stack.procs}
@@ -70,7 +70,7 @@ def test_a_redis_outage_is_ridden_out(
 
     # The API recovers by itself; every job queued before the outage finishes after it.
     deadline = time.monotonic() + 30
-    while httpx.get(f"{stack.url}/v1/jobs/{jobs[1]}", timeout=10).status_code != 200:
+    while HTTP.get(f"{stack.url}/v1/jobs/{jobs[1]}", timeout=10).status_code != 200:
         assert time.monotonic() < deadline, "the API did not recover"
         time.sleep(0.2)
     assert submit(stack, prompt="Hi", max_tokens=2)
@@ -84,10 +84,10 @@ def test_a_redis_outage_is_ridden_out(
     # Same processes: no exit, no model reload; the worker still registered, the warmer on time.
     assert {name: proc.pid for name, proc in stack.procs.items() if proc.poll() is None} == pids
     assert stack.log("worker-1").count("model smollm2-135m loaded") == 1
-    assert httpx.get(f"{stack.url}/readyz").status_code == 200
+    assert HTTP.get(f"{stack.url}/readyz").status_code == 200
     deadline = time.monotonic() + 30
     while not any(
-        run["started_at"] > up_at for run in httpx.get(f"{stack.url}/v1/warm/runs").json()
+        run["started_at"] > up_at for run in HTTP.get(f"{stack.url}/v1/warm/runs").json()
     ):
         assert time.monotonic() < deadline, "no warm run after the outage"
         time.sleep(0.5)
@@ -101,11 +101,11 @@ async def replay(url: str) -> Heard:
 def test_a_worker_registers_again_when_redis_lost_its_registration(stack: Stack) -> None:
     # What a Redis restarted without its data (or an outage longer than the registration's
     # expiry) leaves: no trace of the worker, which must not then look dead to /readyz.
-    assert httpx.get(f"{stack.url}/readyz").status_code == 200
+    assert HTTP.get(f"{stack.url}/readyz").status_code == 200
     redis.Redis.from_url(stack.settings.redis_url).flushdb()
-    assert httpx.get(f"{stack.url}/readyz").status_code == 503
+    assert HTTP.get(f"{stack.url}/readyz").status_code == 503
     deadline = time.monotonic() + 30
-    while httpx.get(f"{stack.url}/readyz").status_code != 200:
+    while HTTP.get(f"{stack.url}/readyz").status_code != 200:
         assert time.monotonic() < deadline, "the worker never registered again"
         time.sleep(0.2)
     assert submit(stack, prompt="Hi", max_tokens=2)

@@ -17,7 +17,7 @@ from shared.job_store import JobStore
 from shared.result_cache import Entry, ResultCache
 from shared.schemas import JobResult, JobStatus, ResultKey, TokenEvent, Usage, WorkOrder
 from shared.settings import ResultCacheSettings
-from tests.harness import Stack
+from tests.harness import HTTP, Stack
 from tests.integration.test_job_path import COUNTING, events, first_tokens, submit, wait_status
 
 DOC = " ".join(f"Invoice {i}: {i * 3 % 17} boxes of tea shipped to Lyon." for i in range(12))
@@ -80,7 +80,7 @@ def test_second_identical_greedy_request_is_answered_from_the_store(stack: Stack
     assert 0 <= timings["ttft_ms"] < 1000
     # The same Idempotency-Key still names the same job, answered or not.
     assert submit(stack, body, **{"Idempotency-Key": "k-1"})["id"] == answered["id"]
-    metrics = httpx.get(f"{stack.url}/metrics").text
+    metrics = HTTP.get(f"{stack.url}/metrics").text
     assert "granary_result_cache_hits_total 1.0" in metrics
     assert "granary_result_cache_stored_total 1.0" in metrics
 
@@ -125,12 +125,12 @@ def test_cancelled_job_is_never_served(stack: Stack) -> None:
     body = {**COUNTING, "max_tokens": 300}
     job = submit(stack, body)
     first_tokens(stack, job["id"], 3)
-    httpx.delete(f"{stack.url}/v1/jobs/{job['id']}")
+    HTTP.delete(f"{stack.url}/v1/jobs/{job['id']}")
     assert wait_status(stack, job["id"], {"cancelled"})["status"] == "cancelled"
     retry = submit(stack, body)
     assert retry["status"] == "queued"
     first_tokens(stack, retry["id"], 1)  # it runs
-    httpx.delete(f"{stack.url}/v1/jobs/{retry['id']}")
+    HTTP.delete(f"{stack.url}/v1/jobs/{retry['id']}")
     wait_status(stack, retry["id"], {"cancelled"})
     assert stored(stack) == 0
 
@@ -186,7 +186,7 @@ def test_extraction_is_answered_from_the_store(stack: Stack) -> None:
     }
 
     def extract() -> tuple[list[Any], dict[str, Any]]:
-        job = httpx.post(f"{stack.url}/v1/extractions", json=body).json()
+        job = HTTP.post(f"{stack.url}/v1/extractions", json=body).json()
         stream = events(stack, job["id"])
         return [d for e, _, d in stream if e != "done"], stream[-1][2]
 
@@ -210,12 +210,12 @@ def test_per_key_namespaces_never_share_results(stack_factory: Callable[..., Sta
     def run_as(key: str) -> dict[str, Any]:
         headers = {"Authorization": f"Bearer {key}"}
         body = {**COUNTING, "max_tokens": 6}
-        job = httpx.post(f"{stack.url}/v1/jobs", json=body, headers=headers).json()
+        job = HTTP.post(f"{stack.url}/v1/jobs", json=body, headers=headers).json()
         url = f"{stack.url}/v1/jobs/{job['id']}"
         with httpx.stream("GET", f"{url}/events", headers=headers, timeout=60) as r:
             for _ in r.iter_lines():
                 pass
-        final: dict[str, Any] = httpx.get(url, headers=headers).json()
+        final: dict[str, Any] = HTTP.get(url, headers=headers).json()
         return final
 
     first = run_as("key-a")

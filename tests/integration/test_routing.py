@@ -10,14 +10,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import redis
 
 from shared import documents, keys, routing
 from shared.prefix_usage import document_prefix_id
 from shared.queues import INTERACTIVE
 from shared.schemas import DocumentFields
-from tests.harness import Stack
+from tests.harness import HTTP, Stack
 from tests.integration.test_extraction import INSTRUCTIONS, INVOICE, QUESTIONS
 from tests.integration.test_job_path import COUNTING, first_tokens, submit, wait_status
 
@@ -44,7 +43,7 @@ def finished(stack: Stack, job: dict[str, Any]) -> dict[str, Any]:
 
 
 def status(stack: Stack, job: dict[str, Any]) -> str:
-    view: dict[str, Any] = httpx.get(f"{stack.url}/v1/jobs/{job['id']}").json()
+    view: dict[str, Any] = HTTP.get(f"{stack.url}/v1/jobs/{job['id']}").json()
     return str(view["status"])
 
 
@@ -97,7 +96,7 @@ def test_a_documents_next_questions_run_on_the_worker_holding_it(
         "questions": [{"id": f"q{i}", "question": q} for i, q in enumerate(QUESTIONS)],
         "max_tokens": 8,
     }
-    response = httpx.post(f"{stack.url}/v1/extractions", json=body)
+    response = HTTP.post(f"{stack.url}/v1/extractions", json=body)
     assert response.status_code == 202, response.text
     extraction = finished(stack, response.json())
     assert worker_of(client, extraction["id"]) == holder
@@ -124,7 +123,7 @@ def test_with_its_holder_busy_a_question_runs_elsewhere_at_once(
     assert view["timings"]["queued_ms"] < stack.settings.routing.wait_s * 1000
     assert status(stack, busy[0]) == "started"
     for job in busy:
-        httpx.delete(f"{stack.url}/v1/jobs/{job['id']}")
+        HTTP.delete(f"{stack.url}/v1/jobs/{job['id']}")
 
 
 def test_a_question_routed_to_a_holder_killed_meanwhile_runs_elsewhere_within_the_bound(

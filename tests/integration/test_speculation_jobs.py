@@ -8,10 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import pytest
 
-from tests.harness import Stack
+from tests.harness import HTTP, Stack
 from tests.integration.test_job_path import submit, wait_status
 
 TEXT = (
@@ -36,7 +35,7 @@ def _finished(stack: Stack, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _drafted(stack: Stack) -> tuple[int, int]:
-    metrics = httpx.get(f"{stack.url}/metrics").text
+    metrics = HTTP.get(f"{stack.url}/metrics").text
     counts = {
         line.split()[0]: int(float(line.split()[1]))
         for line in metrics.splitlines()
@@ -61,7 +60,7 @@ def test_a_request_asking_for_speculation_drafts_and_writes_the_plain_text(stack
     auto = _finished(stack, COPY | {"speculation": "auto"})
     assert auto["result"]["text"] == plain["result"]["text"]
     assert auto["speculation"]["mode"] == "auto"
-    bad = httpx.post(f"{stack.url}/v1/jobs", json=COPY | {"speculation": "always"})
+    bad = HTTP.post(f"{stack.url}/v1/jobs", json=COPY | {"speculation": "always"})
     assert bad.status_code == 400 and bad.json()["error"]["field"] == "speculation"
 
 
@@ -82,7 +81,7 @@ def test_an_extraction_drafting_answers_as_without(stack: Stack) -> None:
     }
 
     def run(extra: dict[str, str]) -> dict[str, Any]:
-        job = httpx.post(f"{stack.url}/v1/extractions", json=body | extra).json()
+        job = HTTP.post(f"{stack.url}/v1/extractions", json=body | extra).json()
         return wait_status(stack, job["id"], {"finished"}, 120)
 
     plain, asked = run({"speculation": "off"}), run({"speculation": "on"})

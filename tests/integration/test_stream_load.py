@@ -14,7 +14,7 @@ import redis
 from httpx_sse import aconnect_sse
 
 from shared import keys
-from tests.harness import Stack
+from tests.harness import HTTP, Stack
 from tests.redis_process import RedisProcess
 
 LISTENERS = 300
@@ -63,7 +63,7 @@ async def listen(
 
 
 def submit(stack: Stack, **body: object) -> str:
-    response = httpx.post(f"{stack.url}/v1/jobs", json=body, timeout=30)
+    response = HTTP.post(f"{stack.url}/v1/jobs", json=body, timeout=30)
     assert response.status_code == 202, response.text
     return str(response.json()["id"])
 
@@ -97,7 +97,7 @@ def test_hundreds_of_listeners_on_a_running_job_all_end_with_done(stack: Stack) 
     cut = [h.cut for h in heard if h.cut is not None]
     assert not cut, f"{len(cut)} of {LISTENERS} streams cut, e.g. {cut[0]}"
     assert [h.last for h in heard] == ["done"] * LISTENERS
-    final = httpx.get(f"{stack.url}/v1/jobs/{job_id}").json()
+    final = HTTP.get(f"{stack.url}/v1/jobs/{job_id}").json()
     assert final["status"] == "finished"
     every_token = list(range(final["usage"]["completion_tokens"]))
     assert all(h.token_indices == every_token for h in heard)
@@ -177,7 +177,7 @@ def test_streams_whose_redis_goes_away_end_with_an_error_and_resume(
     # The API's log says why, should a stream be cut (CI saw one once, cut with no event).
     assert resumed.cut is None, (resumed.cut, stack.log("api")[-3000:])
     assert resumed.last == "done", resumed.events[-3:]
-    final = httpx.get(f"{stack.url}/v1/jobs/{job_id}").json()
+    final = HTTP.get(f"{stack.url}/v1/jobs/{job_id}").json()
     assert final["status"] == "finished"
     tokens = heard.token_indices + resumed.token_indices
     assert tokens == list(range(final["usage"]["completion_tokens"]))

@@ -15,7 +15,7 @@ from rq import Worker
 
 from shared.redis_server import answers, private_redis
 from shared.settings import Settings
-from tests.harness import REPO, free_port, settings_env
+from tests.harness import HTTP, REPO, free_port, settings_env
 
 
 def test_private_redis_starts_answers_and_stops(tmp_path: Path) -> None:
@@ -45,11 +45,11 @@ def test_up_serves_a_job_and_stops_everything(
             assert time.monotonic() < deadline, "granary up never said it was up"
             time.sleep(0.2)
         assert url.encode() in (tmp_path / "up.log").read_bytes()
-        while httpx.get(f"{url}/readyz").status_code != 200:
+        while HTTP.get(f"{url}/readyz").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        job = httpx.post(f"{url}/v1/jobs", json={"prompt": "Hi", "max_tokens": 3}).json()
-        while httpx.get(f"{url}/v1/jobs/{job['id']}").json()["status"] != "finished":
+        job = HTTP.post(f"{url}/v1/jobs", json={"prompt": "Hi", "max_tokens": 3}).json()
+        while HTTP.get(f"{url}/v1/jobs/{job['id']}").json()["status"] != "finished":
             assert time.monotonic() < deadline
             time.sleep(0.1)
     finally:
@@ -58,7 +58,7 @@ def test_up_serves_a_job_and_stops_everything(
     # Workers deregister on a clean stop; the API no longer listens.
     assert Worker.count(connection=redis.Redis.from_url(settings.redis_url)) == 0
     try:
-        httpx.get(f"{url}/healthz", timeout=1)
+        HTTP.get(f"{url}/healthz", timeout=1)
         raise AssertionError("the API still answers after granary up stopped")
     except httpx.ConnectError:
         pass

@@ -14,10 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from tests.harness import Stack, settings_env
+from tests.harness import HTTP, Stack, settings_env
 from tests.integration.test_extraction import (
     CACHE,
     INSTRUCTIONS,
@@ -107,7 +106,7 @@ def test_a_vote_is_the_majority_of_its_samples_and_reproduces(stack: Stack) -> N
     fewer = finished(stack, extraction(stack, questions, **{**VOTE, "samples": 3}))
     assert not fewer["usage"]["cached_result"]
     assert all(a["vote"]["samples"] == 3 for a in fewer["extraction"]["answers"].values())
-    metrics = httpx.get(f"{stack.url}/metrics").text
+    metrics = HTTP.get(f"{stack.url}/metrics").text
     voted = next(line for line in metrics.splitlines() if line.startswith("granary_voted_answers"))
     assert float(voted.split()[-1]) >= 8
 
@@ -134,15 +133,15 @@ def test_samples_need_a_temperature_and_a_bound(stack: Stack) -> None:
         "questions": [{"id": "a", "question": "Sum?"}],
         "samples": 3,
     }
-    response = httpx.post(f"{stack.url}/v1/extractions", json=body)
+    response = HTTP.post(f"{stack.url}/v1/extractions", json=body)
     assert response.status_code == 400 and "temperature" in response.text, response.text
     for samples in (0, 17):
-        response = httpx.post(
+        response = HTTP.post(
             f"{stack.url}/v1/extractions", json={**body, "samples": samples, "temperature": 1}
         )
         assert response.status_code == 400 and "samples" in response.text, response.text
     many = [{"id": f"q{i}", "question": "Sum?"} for i in range(100)]
-    response = httpx.post(
+    response = HTTP.post(
         f"{stack.url}/v1/extractions",
         json={**body, "questions": many, "samples": 16, "temperature": 1},
     )
@@ -153,7 +152,7 @@ def test_cancelling_a_vote_ends_every_sample(stack: Stack) -> None:
     long = {**VOTE, "max_tokens": 200, "cache": False}
     job = extraction(stack, ["Copy the whole invoice, line by line."], **long)
     first_tokens(stack, job["id"], 4)
-    assert httpx.delete(f"{stack.url}/v1/jobs/{job['id']}").json()["status"] == "cancelled"
+    assert HTTP.delete(f"{stack.url}/v1/jobs/{job['id']}").json()["status"] == "cancelled"
     final = wait_status(stack, job["id"], {"cancelled"}, timeout_s=60)
     answer = final["extraction"]["answers"]["q0"] if final["extraction"] else None
     assert answer is None or answer["finish_reason"] == "cancelled"

@@ -10,14 +10,13 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import httpx
 import redis
 
 from shared import keys
 from shared.job_store import JobStore
 from shared.settings import Settings
 from shared.warm_runs import WarmRuns, WarmRunView
-from tests.harness import Stack, settings_env
+from tests.harness import HTTP, Stack, settings_env
 from tests.integration.test_job_path import events, submit, wait_status
 
 CACHE = {"block_tokens": 64, "min_tokens": 16}
@@ -36,7 +35,7 @@ def ask(stack: Stack, document: str, **extra: Any) -> dict[str, Any]:
 
 
 def warm_runs(stack: Stack) -> list[dict[str, Any]]:
-    response = httpx.get(f"{stack.url}/v1/warm/runs")
+    response = HTTP.get(f"{stack.url}/v1/warm/runs")
     assert response.status_code == 200, response.text
     runs: list[dict[str, Any]] = response.json()
     return runs
@@ -86,7 +85,7 @@ def test_a_scheduled_run_warms_the_whole_document(
         "a run after the first",
     )[-1]
     assert later["warmed_tokens"] == 0 and later["already_cached"] == 1, later
-    metrics = httpx.get(f"{stack.url}/metrics").text
+    metrics = HTTP.get(f"{stack.url}/metrics").text
     assert 'granary_warm_runs_total{trigger="schedule"}' in metrics
     assert f"granary_warm_tokens_total {float(prefix)}" in metrics
 
@@ -96,12 +95,12 @@ def test_warm_jobs_step_aside_for_interactive_ones(stack_factory: Callable[..., 
     # is queued again (with more slots it shares the Conclave's turns instead).
     stack = stack_factory(cache=CACHE, n_ctx=2048, worker={"max_active_jobs": 1})
     document = INVOICE * 2  # ~500 tokens: several 64-token chunks of warm prefill
-    run = httpx.post(f"{stack.url}/v1/warm", json={"document": document, **_fields()}).json()
+    run = HTTP.post(f"{stack.url}/v1/warm", json={"document": document, **_fields()}).json()
     warm_id = run["jobs"][0]["id"]
     wait_status(stack, warm_id, {"started"})
     job = submit(stack, {"prompt": "Say hi.", "max_tokens": 4, "temperature": 0})
     done = wait_status(stack, job["id"], {"finished"}, timeout_s=60)
-    warm_job = httpx.get(f"{stack.url}/v1/jobs/{warm_id}").json()
+    warm_job = HTTP.get(f"{stack.url}/v1/jobs/{warm_id}").json()
     # The interactive job ran while the warm job was still unfinished: it waited one chunk.
     assert warm_job["status"] in ("queued", "started"), warm_job
     assert done["started_at"] < (warm_job["finished_at"] or float("inf"))
@@ -184,5 +183,5 @@ def test_granary_warm_cli_then_every_decoding_mode_hits(
         "questions": [{"id": "a", "question": "Total?"}, {"id": "b", "question": "Lines?"}],
         "max_tokens": 4,
     }
-    job = httpx.post(f"{stack.url}/v1/extractions", json=body).json()
+    job = HTTP.post(f"{stack.url}/v1/extractions", json=body).json()
     assert wait_status(stack, job["id"], {"finished"}, 120)["usage"]["cached_tokens"] == prefix

@@ -8,12 +8,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-import httpx
 import redis
 
 from shared.redis_outage import RedisWaiter
 from shared.settings import RoutingSettings, WorkerSettings
-from tests.harness import Stack
+from tests.harness import HTTP, Stack
 from tests.integration.test_stream_load import COUNTING, submit, wait_streaming
 from worker.worker import GranaryWorker
 
@@ -74,7 +73,7 @@ def test_a_worker_stopped_mid_job_exits_right_after_it(
     stack.procs["worker-1"].wait(timeout=60)
     exited_at = time.time()
 
-    job = httpx.get(f"{stack.url}/v1/jobs/{job_id}").json()
+    job = HTTP.get(f"{stack.url}/v1/jobs/{job_id}").json()
     assert job["status"] == "finished", job
     assert job["usage"]["completion_tokens"] == 60
     # What follows its job (its teardown, pending snapshots, the model freed) takes little.
