@@ -305,9 +305,10 @@ class PrefixCache:
             if n <= len(tokens) and blob_id == prefix_key(
                 tokens, self._block_tokens, self._fp, n_tokens=n, chain=chain
             ):
-                if pays is not None and not self._may_pay(name, n, limit, breaks, pays):
+                bounds = self._usable_bounds(n, limit, breaks)
+                if pays is not None and not self._may_pay(name, max(bounds), pays):
                     raise _NotWorthReading  # known before its head is read
-                usable = self._usable_prefix(name, n, limit, breaks)
+                usable = self._usable_prefix(name, n, limit, breaks, bounds)
                 if usable > 0:
                     ranked.append((usable, name))
             elif self._truncatable:
@@ -355,13 +356,15 @@ class PrefixCache:
                 out.append((usable, name))
         return out
 
-    def _may_pay(
-        self, name: str, n: int, limit: int, breaks: frozenset[int], pays: ReadPays
-    ) -> bool:
-        """Whether blob `name` (a prefix of the prompt, `n` tokens) could be worth reading at
-        the most its breaks could let the prompt restore: asked before its head is read (on a
-        slow disk even a head costs a read)."""
-        upper = max(self.usable(n, n, limit, breaks), self.usable(n, n, limit, breaks, breaks))
+    def _usable_bounds(self, n: int, limit: int, breaks: frozenset[int]) -> tuple[int, int]:
+        """What a prompt may restore of a stored state of its first `n` tokens, known without
+        reading it: whatever breaks the state records, and at best (the state's are ours)."""
+        return self.usable(n, n, limit, breaks), self.usable(n, n, limit, breaks, breaks)
+
+    def _may_pay(self, name: str, upper: int, pays: ReadPays) -> bool:
+        """Whether blob `name` could be worth reading for the `upper` tokens its breaks could
+        at most let the prompt restore: asked before its head is read (on a slow disk even a
+        head costs a read)."""
         alone = self._alone(name, upper)
         return upper < 1 or alone is None or pays(alone)
 
@@ -404,13 +407,15 @@ class PrefixCache:
             current = None if base is None else base.name
         return ReadOffer(tokens, total, resident)
 
-    def _usable_prefix(self, name: str, n: int, limit: int, breaks: frozenset[int]) -> int:
+    def _usable_prefix(
+        self, name: str, n: int, limit: int, breaks: frozenset[int], bounds: tuple[int, int]
+    ) -> int:
         """What a prompt may restore of a stored state of its first `n` tokens: from the name
-        alone where the state's breaks cannot matter, else from the breaks its head records
-        (a small read). Ranking by the name alone would pass over every state with a break
-        inside it before the first block boundary (a system prompt's end, say)."""
-        usable = self.usable(n, n, limit, breaks)
-        if usable == self.usable(n, n, limit, breaks, breaks):  # at best its breaks are ours
+        alone where the state's breaks cannot matter (`bounds` agree), else from the breaks
+        its head records (a small read). Ranking by the name alone would pass over every state
+        with a break inside it before the first block boundary (a system prompt's end, say)."""
+        usable, at_best = bounds
+        if usable == at_best:
             return usable
         head = self._read_head(self._fp, name)
         return usable if head is None else self.usable(n, n, limit, breaks, head[0].breaks)
