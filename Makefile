@@ -33,7 +33,7 @@ run: $(STAMP)
 	$(BIN)/granary up
 
 test: $(TEST_STAMP) tools
-	$(BIN)/python -m pytest -q -ra --durations=40 -n 2 --dist loadgroup -m "not all_cores"
+	$(BIN)/python -m pytest -q -ra --durations=40 -n 2 --dist loadscope -m "not all_cores"
 	$(BIN)/python -m pytest -q -ra --durations=10 -m all_cores
 
 bench: $(BENCH_STAMP) wheel-stock wheel-invariant peer-server

@@ -68,15 +68,27 @@ def pytest_configure(config: pytest.Config) -> None:
         os.sched_setaffinity(0, cores[index::count] or [cores[index % len(cores)]])
 
 
-# Before pytest-xdist reads the groups and the mark plugin selects by markers.
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`--dist loadscope` as `make test` runs it: an integration module's tests in one process
+    (their shared stacks and models start once), each unit test wherever a core is free; the
+    largest modules go first and unit tests fill the end."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesThenTests(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return module if module.startswith("tests/integration/") else nodeid
+
+    return ModulesThenTests(config, log)
+
+
+# Before the mark plugin selects by markers.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     kept, deselected = [], []
     for item in items:
-        if _shares_a_module_fixture(item):
-            # pytest-xdist (`--dist loadgroup`) runs a group in one process, so a module's
-            # shared stack or models start once; every other test goes wherever a core is free.
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
         callspec = getattr(item, "callspec", None)
         params = callspec.params.values() if callspec is not None else ()
         models = [value for value in params if isinstance(value, str) and value in MODEL_TRAITS]
@@ -91,16 +103,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = kept
-
-
-def _shares_a_module_fixture(item: pytest.Item) -> bool:
-    fixtures = getattr(item, "_fixtureinfo", None)
-    if fixtures is None:
-        return False
-    return any(
-        definitions[-1].scope in ("package", "module", "class")
-        for definitions in fixtures.name2fixturedefs.values()
-    )
 
 
 @pytest.hookimpl(hookwrapper=True)
