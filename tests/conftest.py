@@ -16,6 +16,7 @@ database, so stacks never see each other's jobs or workers.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections.abc import Callable, Iterator
@@ -69,19 +70,27 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    """`--dist loadscope` as `make test` runs it: an integration module's tests in one process
-    (their shared stacks and models start once), each unit test wherever a core is free; the
-    largest modules go first and unit tests fill the end."""
+    """`--dist loadscope` as `make test` runs it: a module with module-scoped fixtures runs
+    whole in one process (its shared stack or models start once), every other test wherever a
+    core is free; the largest modules go first and single tests fill the end. (pytest-xdist's
+    own groups, `--dist loadgroup`, are not read under pytest 9.)"""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class ModulesThenTests(LoadScopeScheduling):  # type: ignore[misc]
+    class SharedModulesThenTests(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::")[0]
-            return module if module.startswith("tests/integration/") else nodeid
+            return module if _has_module_fixtures(module) else nodeid
 
-    return ModulesThenTests(config, log)
+    return SharedModulesThenTests(config, log)
+
+
+@functools.cache
+def _has_module_fixtures(module: str) -> bool:
+    """Read from the source: tests are independent, so a module missed here only starts its
+    shared fixtures once more, in the other process."""
+    return 'scope="module"' in (REPO / module).read_text()
 
 
 # Before the mark plugin selects by markers.
