@@ -93,8 +93,6 @@ def _has_module_fixtures(module: str) -> bool:
     return 'scope="module"' in (REPO / module).read_text()
 
 
-# Before the mark plugin selects by markers.
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     kept, deselected = [], []
     for item in items:
