@@ -252,10 +252,9 @@ def _pairs_table(pairs: list[Pair]) -> str:
             )
     worst = max(p.cached.client_ttft_s / p.cold.client_ttft_s for p in pairs)
     verdict = "met" if worst <= TTFT_TARGET else "MISSED"
-    controls = [p for p in pairs if p.cold_again is not None]
     control = ", ".join(
         f"{p.length} {p.cold_again.client_ttft_s / p.cold.client_ttft_s:.2f}×"
-        for p in controls
+        for p in pairs
         if p.cold_again is not None
     )
     return (

@@ -140,10 +140,11 @@ NAMED_MODELS.update({name: _checked(named) for name, named in NAMED_MODELS.items
 
 @pytest.fixture(scope="session")
 def redis_base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if _xdist_share() is None and os.environ.get("GRANARY_TEST_REDIS"):
+    alone = _xdist_share() is None  # else this process's own server, below
+    if alone and os.environ.get("GRANARY_TEST_REDIS"):
         yield os.environ["GRANARY_TEST_REDIS"]
         return
-    if _xdist_share() is None and answers(DEFAULT_REDIS_URL):
+    if alone and answers(DEFAULT_REDIS_URL):
         yield "redis://127.0.0.1:6379"
         return
     # Throwaway: every test empties its database anyway, so nothing is worth an fsync.

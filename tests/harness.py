@@ -20,9 +20,9 @@ from shared.worker_commands import FORGET, send_to_every_worker
 
 REPO = Path(__file__).resolve().parent.parent
 # The one HTTP client of every test request (httpx's may be shared between threads):
-# `httpx.get` builds a client, TLS context included, for each call, ~30 ms of CPU here against
-# ~1.5 ms for a request on a kept client, so tests polling a job every 50 ms took a third of
-# the core the worker under test computes on.
+# `httpx.get` builds a client, TLS context included, for each call, many times the CPU of a
+# request on a kept client, and tests polling a job every 50 ms took that from the core the
+# worker under test computes on.
 HTTP = httpx.Client(timeout=5)
 
 
