@@ -78,16 +78,19 @@ def run_requests(
     engine: ConclaveEngine, requests: list[StreamRequest]
 ) -> list[tuple[list[int], Ended]]:
     """Submit every request at once; each stream's tokens and its end."""
-    submitted = []
-    for request in requests:
-        out: list[int] = []
-
-        def keep(token: Token, out: list[int] = out) -> bool:
-            out.append(token.token)
-            return False
-
-        submitted.append((engine.conclave.submit(engine.conclave.handle(request, keep)), out))
+    submitted = [submit(engine, request) for request in requests]
     return [(out, ended(handle)) for handle, out in submitted]
+
+
+def submit(engine: ConclaveEngine, request: StreamRequest) -> tuple[StreamHandle, list[int]]:
+    """The stream's handle and the list its tokens go to."""
+    out: list[int] = []
+
+    def keep(token: Token) -> bool:
+        out.append(token.token)
+        return False
+
+    return engine.conclave.submit(engine.conclave.handle(request, keep)), out
 
 
 def ended(handle: StreamHandle) -> Ended:
@@ -136,6 +139,33 @@ def test_streams_writing_the_same_tokens_share_rows_and_each_writes_its_own_run(
     assert engine.conclave.twin_rows - shared >= len(alone[0]) - 2
     assert not any(ended.drifted for _, ended in together)
     assert [out for out, _ in run_requests(engine, requests)] == alone
+
+
+def test_held_prefixes_taken_between_chats_leave_the_chats_one_pass(
+    engine: ConclaveEngine, lone_outputs: list[list[int]]
+) -> None:
+    """Extraction documents held while chats decode: had each taken the next sequence, the
+    chats' sequences would have gaps no move can close (every sequence busy), and llama.cpp
+    would run each of their steps as several passes."""
+    engine.forget()
+    llama = engine.llama
+    documents = [
+        llama.tokenize(f"Ledger {i}: {'crates of pears, shelf by shelf. ' * 20}".encode())
+        for i in range(3)
+    ]
+    chats = iter(chat_prompts(engine))
+    split_before = engine.conclave.split_passes
+    holds, together = [], []
+    for document in documents:  # in arrival order: a held document, then two chats
+        hold = StreamRequest(document, (), None, 0, max_new=0, end=len(document), hold=True)
+        holds.append(submit(engine, hold)[0])
+        for prompt in (next(chats), next(chats)):
+            together.append(submit(engine, StreamRequest(prompt, (), None, 0, max_new=48)))
+    assert [out for handle, out in together if ended(handle)] == lone_outputs
+    assert engine.conclave.split_passes == split_before
+    for held in holds:
+        ended(held)
+        held.close()
 
 
 def test_the_start_up_decodes_on_the_thread_that_serves_and_its_failure_is_raised() -> None:

@@ -185,6 +185,8 @@ class Conclave:
         self._pass_cost = PassCost()
         self._acceptance = Acceptance()  # of every drafting stream's guesses
         self.twin_rows = 0  # tokens drawn from another stream's row (`_pair_twins`)
+        # Batched passes llama.cpp ran as several, their sequences not one run (memory.py).
+        self.split_passes = 0
         self._max_rows = exact_row_limit()
         mem = llama_cpp.llama_get_memory(llama.ctx)
         self._mem = mem
@@ -418,7 +420,9 @@ class Conclave:
         reuse = self._memory.best_reuse(request.namespace, request.tokens, limit, request.breaks)
         kept = reuse.tokens if reuse is not None else 0
         lead = self._lead_at_start(stream, reuse)
-        resident = self._memory.claim(request.namespace, None if lead else reuse)
+        resident = self._memory.claim(
+            request.namespace, None if lead else reuse, decodes=request.max_new > 0
+        )
         stream.resident = resident
         self._hold(stream, kept)
         if lead is not None:  # no cells of its own until it parts: none to offer for reuse
@@ -737,6 +741,8 @@ class Conclave:
             firsts.append(len(rows))
             rows.append((s.next_token, s.pos, s.seq))
             rows += [(t, s.pos + 1 + i, s.seq) for i, t in enumerate(drafts.get(s, ()))]
+        seqs = [s.seq for s in batch]
+        self.split_passes += seqs != list(range(seqs[0], seqs[0] + len(seqs)))
         started = time.perf_counter()
         try:
             self._decode(rows, logits=True)

@@ -133,8 +133,14 @@ class Memory:
                 best = Reuse(resident, kept)
         return best
 
-    def claim(self, namespace: str | None, reuse: Reuse | None) -> Resident:
+    def claim(
+        self, namespace: str | None, reuse: Reuse | None, *, decodes: bool = True
+    ) -> Resident:
         """A sequence for a new stream: the reused one if idle, a copy of it, or an empty one.
+        A stream that `decodes` takes the lowest free id, one that only holds a prefix (an
+        extraction's document, a warm run) the highest: held sequences stay out of the run
+        the decoding ones need (`compact` never moves a busy sequence, so with a hold between
+        them every step was two passes).
 
         The caller checked `room()`. The copy of a busy sequence is made by llama.cpp
         before the next decode; nothing may load a state into the new sequence before then.
@@ -142,7 +148,7 @@ class Memory:
         if reuse is not None and reuse.source.idle:
             resident = reuse.source
         else:
-            resident = Resident(self._take_seq(), namespace)
+            resident = Resident(self._take_seq(lowest=decodes), namespace)
             self._residents[resident.seq] = resident
             if reuse is not None:  # a buffer per sequence: only whole copies are possible
                 llama_cpp.llama_memory_seq_cp(self._mem, reuse.source.seq, resident.seq, -1, -1)
@@ -205,10 +211,11 @@ class Memory:
         resident.breaks = tuple(b for b in resident.breaks if b <= keep)
         resident.keep_documents(keep)
 
-    def _take_seq(self) -> int:
+    def _take_seq(self, lowest: bool) -> int:
         if not self._free:
             self.forget(self._oldest_idle())
-        seq = min(self._free)  # busy sequences gather at the low ids: fewer moves later
+        # Decoding sequences gather at the low ids, holds at the high: fewer moves later.
+        seq = min(self._free) if lowest else max(self._free)
         self._free.remove(seq)
         return seq
 
