@@ -46,10 +46,12 @@ def decode(llama: Llama, rows: list[tuple[int, int, int]]) -> list[np.ndarray]:
     ]
 
 
-def fill(llama: Llama, memory: Memory, text: str) -> tuple[Resident, list[int]]:
+def fill(
+    llama: Llama, memory: Memory, text: str, decodes: bool = True
+) -> tuple[Resident, list[int]]:
     """A resident holding all of `text`'s tokens but the last, which is returned to decode."""
     tokens = llama.tokenize(text.encode())
-    resident = memory.claim(None, None)
+    resident = memory.claim(None, None, decodes=decodes)
     decode(llama, [(t, p, resident.seq) for p, t in enumerate(tokens[:-1])])
     resident.tokens = tokens[:-1]
     resident.prefilled = len(tokens) - 1
@@ -119,6 +121,45 @@ def test_an_idle_resident_in_the_window_moves_aside_with_its_cells(llama: Llama)
     idle = filled[1][0]
     assert idle.idle and idle.seq not in seqs
     assert_same(before, [next_logits(llama, r, t) for r, t in filled])
+
+
+def test_a_held_prefix_between_the_streams_moves_aside_with_its_cells(llama: Llama) -> None:
+    mem = llama_cpp.llama_get_memory(llama.ctx)
+    llama_cpp.llama_memory_clear(mem, True)
+    memory = Memory(mem, 5, block_tokens=256, truncatable=True)
+    # 0 and 2 decode, 1 holds a prefix for later forks, 3 is busy otherwise (prefilling).
+    filled = [fill(llama, memory, text) for text in PROMPTS]
+    before = [next_logits(llama, r, t) for r, t in filled]
+    held = frozenset({1})
+    assert memory.compact({0, 2}) == {}, "a busy sequence in every window"
+    spare = memory.claim(None, None)
+    assert memory.compact({0, 2}, held) == {}, "no sequence outside a window to move it to"
+    memory.forget(spare)
+
+    moved = memory.compact({0, 2}, held)
+
+    assert moved in ({0: 1}, {2: 1}), "one of the pair moves into the held prefix's sequence"
+    assert filled[1][0].seq == 4 and not filled[1][0].idle, "the held prefix took the spare"
+    assert_same(before, [next_logits(llama, r, t) for r, t in filled])
+
+
+def test_a_decoding_stream_takes_a_held_prefix_s_place_below_its_own(llama: Llama) -> None:
+    mem = llama_cpp.llama_get_memory(llama.ctx)
+    llama_cpp.llama_memory_clear(mem, True)
+    memory = Memory(mem, 3, block_tokens=256, truncatable=True)
+    first, _, last = (fill(llama, memory, text)[0] for text in PROMPTS[:3])
+    memory.forget(first)
+    held, tokens = fill(llama, memory, PROMPTS[3], decodes=False)  # the only free sequence
+    expected = next_logits(llama, held, tokens)
+    assert held.seq == 0
+    memory.forget(last)
+
+    taken = memory.claim(None, None, held=frozenset({held.seq}))
+
+    assert (taken.seq, held.seq) == (0, 2), "the held prefix moved up, out of the way"
+    decode(llama, [(0, 0, taken.seq)])  # llama.cpp makes queued copies before a decode
+    memory.copies_made()
+    assert_same([expected], [next_logits(llama, held, tokens)])
 
 
 def test_a_state_loaded_over_a_copy_source_does_not_reach_the_copy(llama: Llama) -> None:

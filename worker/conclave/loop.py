@@ -421,7 +421,10 @@ class Conclave:
         kept = reuse.tokens if reuse is not None else 0
         lead = self._lead_at_start(stream, reuse)
         resident = self._memory.claim(
-            request.namespace, None if lead else reuse, decodes=request.max_new > 0
+            request.namespace,
+            None if lead else reuse,
+            decodes=request.max_new > 0,
+            held=self._held_seqs(),
         )
         stream.resident = resident
         self._hold(stream, kept)
@@ -663,7 +666,7 @@ class Conclave:
             return False
         # One run of increasing sequence ids, or llama.cpp makes a pass per run (memory.py);
         # before the plan, which cuts the run into passes by sequence.
-        self._memory.compact({s.seq for s in decoding if not s.alone})
+        self._memory.compact({s.seq for s in decoding if not s.alone}, self._held_seqs())
         streams = {s.arrival: s for s in decoding}
         max_rows = self._max_rows if self.rows_invariant else None
         views = [self._decoding(s) for s in decoding]
@@ -677,6 +680,10 @@ class Conclave:
         for key in plan.alone:
             self._lone_step(streams[key])
         return True
+
+    def _held_seqs(self) -> frozenset[int]:
+        """Sequences holding a prefix for later forks, nothing computed in them any more."""
+        return frozenset(s.seq for s in self._streams if s.state is _State.HOLDING)
 
     def _pair_twins(self) -> None:
         """Streams whose tokens are all the same from the start (the samples of one question

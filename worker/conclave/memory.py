@@ -134,13 +134,19 @@ class Memory:
         return best
 
     def claim(
-        self, namespace: str | None, reuse: Reuse | None, *, decodes: bool = True
+        self,
+        namespace: str | None,
+        reuse: Reuse | None,
+        *,
+        decodes: bool = True,
+        held: frozenset[int] = frozenset(),
     ) -> Resident:
         """A sequence for a new stream: the reused one if idle, a copy of it, or an empty one.
         A stream that `decodes` takes the lowest free id, one that only holds a prefix (an
-        extraction's document, a warm run) the highest: held sequences stay out of the run
-        the decoding ones need (`compact` never moves a busy sequence, so with a hold between
-        them every step was two passes).
+        extraction's document, a warm run) the highest; a decoding stream whose sequence would
+        lie above `held` prefixes takes the lowest of them instead, which moves up into it. So
+        held sequences stay out of the run the decoding ones need: with a hold between them and
+        every sequence taken, `compact` has nowhere to move it and every step is two passes.
 
         The caller checked `room()`. The copy of a busy sequence is made by llama.cpp
         before the next decode; nothing may load a state into the new sequence before then.
@@ -148,7 +154,7 @@ class Memory:
         if reuse is not None and reuse.source.idle:
             resident = reuse.source
         else:
-            resident = Resident(self._take_seq(lowest=decodes), namespace)
+            resident = Resident(self._take_seq(decodes, held), namespace)
             self._residents[resident.seq] = resident
             if reuse is not None:  # a buffer per sequence: only whole copies are possible
                 llama_cpp.llama_memory_seq_cp(self._mem, reuse.source.seq, resident.seq, -1, -1)
@@ -211,60 +217,69 @@ class Memory:
         resident.breaks = tuple(b for b in resident.breaks if b <= keep)
         resident.keep_documents(keep)
 
-    def _take_seq(self, lowest: bool) -> int:
+    def _take_seq(self, decodes: bool, held: frozenset[int]) -> int:
         if not self._free:
             self.forget(self._oldest_idle())
         # Decoding sequences gather at the low ids, holds at the high: fewer moves later.
-        seq = min(self._free) if lowest else max(self._free)
+        seq = min(self._free) if decodes else max(self._free)
+        below = [q for q in held if q < seq] if decodes else []
+        if below:  # queued before any copy from the moved prefix: llama.cpp makes them in order
+            seq = min(below)
+            self._move(self._residents[seq], max(self._free))
         self._free.remove(seq)
         return seq
 
-    def compact(self, seqs: set[int]) -> dict[int, int]:
+    def compact(self, seqs: set[int], held: frozenset[int] = frozenset()) -> dict[int, int]:
         """Make the busy sequences `seqs` one consecutive run; returns {old: new} for the moved.
 
         The run is the window that needs the fewest buffer copies among those holding no other
-        busy sequence; idle residents in it move to a free sequence outside it, or are dropped
+        busy sequence but `held` ones (prefixes held for later forks, nothing computed in them
+        any more): those move to a free sequence outside it, idle residents too or are dropped
         when none is free. Nothing may load a state into a moved-from sequence before the next
-        decode, which makes the copies (see `claim`). No window: nothing moves.
+        decode, which makes the copies in order (see `claim`). No window: nothing moves.
         """
         if not seqs or max(seqs) - min(seqs) + 1 == len(seqs):
             return {}
-        window = self._window(seqs)
+        window = self._window(seqs, held)
         if window is None:
             return {}
         targets = sorted(q for q in window if q not in seqs)
         movers = sorted(q for q in seqs if q not in window)
+        for target in sorted(targets, key=lambda q: q not in held):  # held first: they need a spare
+            self._vacate(target, keep_clear=window)
         for old, new in zip(movers, targets, strict=True):
-            self._vacate(new, keep_clear=window)
             self._move(self._residents[old], new)
         return dict(zip(movers, targets, strict=True))
 
-    def _window(self, seqs: set[int]) -> range | None:
-        pinned = {r.seq for r in self._residents.values() if not r.idle} - seqs
+    def _window(self, seqs: set[int], held: frozenset[int]) -> range | None:
+        pinned = {r.seq for r in self._residents.values() if not r.idle} - seqs - held
         best: tuple[int, range] | None = None
         for low in range(self._n_seq - len(seqs) + 1):
             window = range(low, low + len(seqs))
             if any(q in pinned for q in window):
                 continue
-            # Buffer copies: one per stream moved, one per idle resident giving way.
+            spares = sum(1 for q in self._free if q not in window)
+            if sum(1 for q in window if q in held) > spares:
+                continue
+            # Buffer copies: one per stream moved, one per resident giving way.
             moves = sum(1 for q in seqs if q not in window)
-            idle = sum(1 for q in window if q not in seqs and q in self._residents)
-            if best is None or moves + idle < best[0]:
-                best = (moves + idle, window)
+            aside = sum(1 for q in window if q not in seqs and q in self._residents)
+            if best is None or moves + aside < best[0]:
+                best = (moves + aside, window)
         return None if best is None else best[1]
 
     def _vacate(self, seq: int, keep_clear: range) -> None:
-        """Empty `seq` (free or idle): its idle resident moves to a free sequence outside
-        `keep_clear`, or is dropped when there is none."""
-        idle = self._residents.get(seq)
-        if idle is None:
+        """Empty `seq`: its resident moves to a free sequence outside `keep_clear`; an idle one
+        is dropped when there is none (`_window` kept one for every held one)."""
+        resident = self._residents.get(seq)
+        if resident is None:
             return
-        assert idle.idle, "only an idle resident gives way"
         spare = min((q for q in self._free if q not in keep_clear), default=None)
-        if spare is None:
-            self.forget(idle)
+        if spare is not None:
+            self._move(resident, spare)
         else:
-            self._move(idle, spare)
+            assert resident.idle, "a held prefix gives way only to a spare sequence"
+            self.forget(resident)
         self._free.discard(seq)
 
     def _move(self, resident: Resident, seq: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -25,6 +26,7 @@ from worker.conclave.loop import Conclave
 from worker.conclave.streams import (
     Ended,
     Event,
+    Started,
     StreamHandle,
     StreamRequest,
     Token,
@@ -98,7 +100,8 @@ def extract(
         answering = Answering(llama, order, publisher, prompt_tokens, cached, offset_ms, streamed)
         runs = [_Run(i, s) for i, s in answering.open_samples()]
         with contextlib.ExitStack() as stack:
-            _Draws(conclave, order, answering, (prefix, tails, priority), runs, stack).run()
+            draws = _Draws(conclave, order, answering, (prefix, tails, priority), runs, stack)
+            draws.run(release_prefix=held.close)
     return extraction_outcome(order, answering, prefix, tails, cached, started, prefilled, streamed)
 
 
@@ -133,12 +136,24 @@ class _Draws:
         self._streams: dict[int, list[StreamHandle]] = {i: [] for i in self._pending}
         self._live = dict.fromkeys(self._pending, 0)
 
-    def run(self) -> None:
+    def run(self, release_prefix: Callable[[], None]) -> None:
+        """Draw and settle every question; `release_prefix` once no later draw needs the held
+        prefix: its sequence then serves other streams (its cells stay in memory for reuse) and
+        moves aside, where it held up other jobs' questions and split their steps."""
         voted = self._order.samples > 1
         for index in self._pending:
             self._draw(index, self._answering.needed(index) if voted else 1)
+        unstarted = None if voted else len(self._runs)  # a vote may draw again: keep it
         while any(self._live.values()):
-            handle, event = _next_end(self._events)
+            handle, event = self._events.get()
+            if isinstance(expect(event), Started):
+                if unstarted is not None:
+                    unstarted -= 1
+                    if unstarted == 0:  # every question has its own copy of the prefix
+                        release_prefix()
+                continue
+            if not isinstance(event, Ended):
+                continue
             run = self._runs[handle.tag]
             self._live[run.index] -= 1
             if _on_end(self._answering, run, event, self._started):
@@ -193,14 +208,6 @@ def _request(
         sampling=Sampling(0.0 if greedy else order.temperature, order.top_p, seed),
         speculation=order.speculation,
     )
-
-
-def _next_end(events: queue.SimpleQueue[tuple[StreamHandle, Event]]) -> tuple[StreamHandle, Ended]:
-    """The next stream of the job to end (tokens went to `on_token` on the model thread)."""
-    while True:
-        handle, event = events.get()
-        if isinstance(expect(event), Ended):
-            return handle, event  # type: ignore[return-value]
 
 
 def _on_token(answering: Answering, run: _Run, event: Token) -> bool:
