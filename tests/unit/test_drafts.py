@@ -13,6 +13,7 @@ from worker.conclave.drafts import (
     PromptLookup,
     StreamDrafts,
     plan_drafts,
+    ubatch_rows,
 )
 
 QUOTE = [11, 12, 13, 14, 15, 16, 17, 18]
@@ -52,35 +53,53 @@ def linear(one_row: float, per_row: float) -> PassCost:
 
 def test_a_lone_stream_drafts_when_its_guesses_come_true_and_not_when_they_do_not() -> None:
     cost = linear(0.040, 0.026)  # a row more costs 0.65 of one row
-    copying = plan_drafts(1, [Offer(0, "auto", 0.9, MAX_DRAFT)], cost.estimate, 31)
+    copying = plan_drafts([0], [Offer(0, "auto", 0.9, MAX_DRAFT)], cost.estimate, 31)
     assert copying[0] >= 2
-    free_text = plan_drafts(1, [Offer(0, "auto", 0.3, MAX_DRAFT)], cost.estimate, 31)
+    free_text = plan_drafts([0], [Offer(0, "auto", 0.3, MAX_DRAFT)], cost.estimate, 31)
     assert free_text[0] == 0
 
 
 def test_under_load_drafting_turns_itself_down() -> None:
     cost = linear(0.040, 0.026)
     offers = [Offer(key, "auto", 0.8, MAX_DRAFT) for key in range(8)]
-    assert sum(plan_drafts(8, offers, cost.estimate, 31).values()) == 0
+    assert sum(plan_drafts(range(8), offers, cost.estimate, 31).values()) == 0
     # Rows that cost little beside the others (a pass bound by reading the weights): it pays.
     cheap = linear(0.040, 0.004)
-    assert sum(plan_drafts(8, offers, cheap.estimate, 31).values()) > 0
+    assert sum(plan_drafts(range(8), offers, cheap.estimate, 31).values()) > 0
+
+
+def test_llama_cpp_splits_a_pass_where_its_streams_bring_different_rows() -> None:
+    assert ubatch_rows([1, 1, 1, 1]) == [4]
+    assert ubatch_rows([3, 1, 1, 1]) == [4, 2]
+    assert ubatch_rows([2, 2, 1]) == [3, 2]
+    assert ubatch_rows([1, 3, 1, 2]) == [4, 2, 1]  # a gap in the rows left splits again
+
+
+def test_one_stream_s_drafts_beside_plain_rows_are_priced_as_a_pass_of_their_own() -> None:
+    cheap = linear(0.040, 0.004)  # a row more is cheap, a pass more is not
+    offer = Offer(3, "auto", 0.9, MAX_DRAFT)
+    assert plan_drafts([3], [offer], cheap.estimate, 31)[3] >= 2
+    assert plan_drafts([0, 1, 2, 3], [offer], cheap.estimate, 31) == {3: 0}
+    # Every stream drafting the same: one pass of equal rows, which pays.
+    offers = [Offer(key, "auto", 0.9, MAX_DRAFT) for key in range(4)]
+    planned = plan_drafts(range(4), offers, cheap.estimate, 31)
+    assert len(set(planned.values())) == 1 and planned[0] > 0
 
 
 def test_the_likeliest_drafts_go_first_and_the_row_budget_holds() -> None:
     cheap = linear(0.040, 0.001)
     offers = [Offer(0, "auto", 0.95, MAX_DRAFT), Offer(1, "auto", 0.5, MAX_DRAFT)]
-    planned = plan_drafts(2, offers, cheap.estimate, 31)
+    planned = plan_drafts([0, 1], offers, cheap.estimate, 31)
     assert planned[0] >= planned[1]
     many = [Offer(key, "auto", 0.99, MAX_DRAFT) for key in range(6)]
-    assert 6 + sum(plan_drafts(6, many, cheap.estimate, 31).values()) <= 31
+    assert 6 + sum(plan_drafts(range(6), many, cheap.estimate, 31).values()) <= 31
 
 
 def test_on_drafts_all_it_has_within_the_budget_and_nothing_drafts_unmeasured() -> None:
     unmeasured = PassCost()
     offers = [Offer(0, "on", 0.1, 5), Offer(1, "auto", 0.99, 5)]
-    assert plan_drafts(2, offers, unmeasured.estimate, 31) == {0: 5, 1: 0}
-    assert plan_drafts(2, [Offer(0, "on", 0.1, 5)], unmeasured.estimate, 4) == {0: 2}
+    assert plan_drafts([0, 1], offers, unmeasured.estimate, 31) == {0: 5, 1: 0}
+    assert plan_drafts([0, 1], [Offer(0, "on", 0.1, 5)], unmeasured.estimate, 4) == {0: 2}
 
 
 def test_a_stream_learns_from_plain_passes_and_from_its_drafts() -> None:

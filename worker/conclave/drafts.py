@@ -11,14 +11,18 @@ How many drafts a pass carries is decided for the whole pass (`plan_drafts`): a 
 worth its cost only if the pass's tokens per second rise, and the cost of a pass grows with its
 rows (measured here, `PassCost`; docs/BENCHMARKS.md, batch rows). So under
 load, where the pass is already wide, drafting turns itself down, and it comes back when the
-pass narrows. A stream's chance of accepting its next draft (`Acceptance`) is learned on every
-step, drafting or not: on a plain step the lookup's guess is scored against the token written.
+pass narrows. With a buffer per sequence llama.cpp computes a pass as several whenever its
+streams bring different numbers of rows (`ubatch_rows`), each reading every weight again: one
+stream's drafts beside plain rows cost a pass of their own, which the plan prices as such.
+A stream's chance of accepting its next draft (`Acceptance`) is learned on every step,
+drafting or not: on a plain step the lookup's guess is scored against the token written.
 Every pass stays below the row count from which the kernels take their batched path
 (`granary_exact_rows`), so drafting never costs exactness.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -105,9 +109,27 @@ class Acceptance:
         self.rate += SMOOTHING * (float(accepted) - self.rate)
 
 
+def ubatch_rows(counts: Sequence[int]) -> list[int]:
+    """The rows of each pass llama.cpp splits a decode into, given each stream's rows in
+    sequence order (one run of ids, memory.py): it takes the same number of rows from every
+    stream of a run of consecutive ones that still has rows (`split_equal` in
+    llama-batch.cpp), as many as the shortest of them has left."""
+    left = list(counts)
+    passes = []
+    while any(left):
+        first = next(i for i, n in enumerate(left) if n)
+        run = list(itertools.takewhile(lambda i: left[i] > 0, range(first, len(left))))
+        taken = min(left[i] for i in run)
+        for i in run:
+            left[i] -= taken
+        passes.append(taken * len(run))
+    return passes
+
+
 class PassCost:
     """Seconds a decode pass of r rows takes, a moving average per row count; a count never
-    measured is extrapolated from the nearest one below that was (or from one row's cost)."""
+    measured is extrapolated from the nearest one below that was (or from one row's cost).
+    Only passes llama.cpp computes as one are recorded (`ubatch_rows`)."""
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
@@ -181,21 +203,26 @@ class Offer:
 
 
 def plan_drafts(
-    rows: int, offers: Sequence[Offer], cost: Callable[[int], float | None], max_rows: int
+    keys: Sequence[int],
+    offers: Sequence[Offer],
+    cost: Callable[[int], float | None],
+    max_rows: int,
 ) -> dict[int, int]:
-    """How many drafts each offer puts in a pass of `rows` plain rows (one per decoding stream).
+    """How many drafts each offer puts in a pass of one plain row per stream of `keys` (in
+    sequence order); `cost`: seconds of a pass llama.cpp computes as one, by its rows.
 
     `on` streams draft all they have; `auto` drafts are added, likeliest first, as far as the
     expected tokens per second of the whole pass gain by them (a draft is expected to yield a
-    token with probability acceptance ** position). Never more than `max_rows` rows in all.
+    token with probability acceptance ** position), the pass priced as the passes llama.cpp
+    splits it into. Never more than `max_rows` rows in all.
     """
+    rows = len(keys)
     room = max_rows - rows
     planned = {offer.key: 0 for offer in offers}
     for offer in offers:
         if offer.mode == "on":
             planned[offer.key] = take = max(0, min(offer.available, room))
             room -= take
-    extra = sum(planned.values())
     tokens = rows + sum(
         offer.acceptance**i
         for offer in offers
@@ -212,16 +239,31 @@ def plan_drafts(
         ),
         reverse=True,
     )[: max(0, room)]
-    best_rate, best_n = _rate(tokens, cost(rows + extra)), 0
+    trial = dict(planned)
+    best_rate, best_n = _rate(tokens, _pass_seconds(keys, trial, cost)), 0
     gained = tokens
-    for n, (expected, _key) in enumerate(candidates, start=1):
+    for n, (expected, key) in enumerate(candidates, start=1):
         gained += expected
-        rate = _rate(gained, cost(rows + extra + n))
+        trial[key] += 1
+        rate = _rate(gained, _pass_seconds(keys, trial, cost))
         if rate > best_rate:
             best_rate, best_n = rate, n
     for _expected, key in candidates[:best_n]:
         planned[key] += 1
     return planned
+
+
+def _pass_seconds(
+    keys: Sequence[int], drafts: dict[int, int], cost: Callable[[int], float | None]
+) -> float | None:
+    """What a pass with these drafts costs: the passes llama.cpp splits it into, summed."""
+    total = 0.0
+    for rows in ubatch_rows([1 + drafts.get(key, 0) for key in keys]):
+        seconds = cost(rows)
+        if seconds is None:
+            return None
+        total += seconds
+    return total
 
 
 def _rate(tokens: float, seconds: float | None) -> float:

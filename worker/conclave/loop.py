@@ -48,7 +48,7 @@ from shared.prefix_cache import (
 from worker import kv_state
 from worker.chunk_ends import chunk_end, chunk_ends, snapshot_points
 from worker.conclave.disk_reads import DiskReads
-from worker.conclave.drafts import Acceptance, PassCost, StreamDrafts
+from worker.conclave.drafts import Acceptance, PassCost, StreamDrafts, ubatch_rows
 from worker.conclave.memory import Memory, Resident, Reuse
 from worker.conclave.near_tie import TIE_MARGIN, is_near_tie
 from worker.conclave.plan import (
@@ -749,7 +749,8 @@ class Conclave:
             rows.append((s.next_token, s.pos, s.seq))
             rows += [(t, s.pos + 1 + i, s.seq) for i, t in enumerate(drafts.get(s, ()))]
         seqs = [s.seq for s in batch]
-        self.split_passes += seqs != list(range(seqs[0], seqs[0] + len(seqs)))
+        one_run = seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        self.split_passes += not one_run
         started = time.perf_counter()
         try:
             self._decode(rows, logits=True)
@@ -757,7 +758,9 @@ class Conclave:
             for stream in batch:
                 self._fail(stream, exc)
             return
-        self._passed(len(rows), time.perf_counter() - started)
+        # What a pass of these rows costs is known only from passes llama.cpp made as one.
+        one_pass = one_run and len(ubatch_rows([1 + len(drafts.get(s, ())) for s in batch])) == 1
+        self._passed(len(rows), time.perf_counter() - started, one_pass)
         ties = []
         for row, stream in zip(firsts, batch, strict=True):
             if stream.drafts is not None:
@@ -787,8 +790,9 @@ class Conclave:
         if self._yielding is not None:  # saves deferred for the model go while it waits
             self._yielding.busy(not waiting)
 
-    def _passed(self, rows: int, seconds: float) -> None:
-        self._pass_cost.record(rows, seconds)
+    def _passed(self, rows: int, seconds: float, one_pass: bool = True) -> None:
+        if one_pass:
+            self._pass_cost.record(rows, seconds)
         if self._yielding is not None:
             self._yielding.passed(rows, seconds)
 

@@ -193,7 +193,7 @@ def plan_decode(
         offers = [d.offer for d in group if d.offer is not None]
         drafts: dict[int, int] = {}
         if offers and max_rows is not None:
-            planned = plan_drafts(len(group), offers, cost, max_rows)
+            planned = plan_drafts([d.key for d in group], offers, cost, max_rows)
             drafts = {key: k for key, k in planned.items() if k > 0}
         passes.append(Pass(tuple(d.key for d in group), drafts))
     return DecodePlan(tuple(passes), tuple(alone))
