@@ -47,8 +47,10 @@ def _drafted(stack: Stack) -> tuple[int, int]:
 
 
 def test_a_request_asking_for_speculation_drafts_and_writes_the_plain_text(stack: Stack) -> None:
-    plain = _finished(stack, COPY)
-    assert plain["speculation"] is None  # `jobs.speculation`: off
+    unsaid = _finished(stack, COPY)
+    assert unsaid["speculation"]["mode"] == "auto"  # `jobs.speculation`'s default
+    plain = _finished(stack, COPY | {"speculation": "off"})
+    assert plain["speculation"] is None and unsaid["result"]["text"] == plain["result"]["text"]
     before = _drafted(stack)
     forced = _finished(stack, COPY | {"speculation": "on"})
     assert forced["result"]["text"] == plain["result"]["text"]
@@ -66,7 +68,7 @@ def test_a_request_asking_for_speculation_drafts_and_writes_the_plain_text(stack
 
 def test_a_seeded_request_drafting_samples_as_without(stack: Stack) -> None:
     sampled = COPY | {"temperature": 0.8, "seed": 11}
-    plain = _finished(stack, sampled)
+    plain = _finished(stack, sampled | {"speculation": "off"})
     forced = _finished(stack, sampled | {"speculation": "on"})
     assert forced["result"]["text"] == plain["result"]["text"]
     assert forced["speculation"]["drafted"] > 0
