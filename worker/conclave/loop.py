@@ -790,7 +790,7 @@ class Conclave:
         if self._yielding is not None:  # saves deferred for the model go while it waits
             self._yielding.busy(not waiting)
 
-    def _passed(self, rows: int, seconds: float, one_pass: bool = True) -> None:
+    def _passed(self, rows: int, seconds: float, one_pass: bool) -> None:
         if one_pass:
             self._pass_cost.record(rows, seconds)
         if self._yielding is not None:
