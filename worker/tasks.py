@@ -30,8 +30,6 @@ from shared.schemas import (
     JobResult,
     JobStatus,
     ResultKey,
-    SpeculationReport,
-    Timings,
     Usage,
     WarmOrder,
     WarmResult,
@@ -80,44 +78,21 @@ class Runtime:
     def run(self, job_id: str) -> None:
         """A generation job: one prompt, one answer."""
         outcome = self._execute(job_id, self._generate)
-        if outcome is None:
-            return
-        order, generation = outcome
-        cancelled = generation.result.finish_reason == "cancelled"
-        self._finish(
-            job_id,
-            cancelled,
-            generation.usage,
-            generation.timings,
-            generation.result,
-            order.result_key if generation.reproducible else None,
-            generation.speculation,
-        )
-        if order.document is not None and generation.prefix_tokens is not None:
-            record = partial(
-                self._record_prefix_use,
-                order.document,
-                order.cache_namespace,
-                generation.usage,
-                generation.prefix_tokens,
-            )
-            self._waiter.call(record)
+        if outcome is not None:
+            order, done = outcome
+            cancelled = done.result.finish_reason == "cancelled"
+            self._finish(job_id, cancelled, done, order.result_key)
+            if order.document is not None and done.prefix_tokens is not None:
+                self._record_prefix_use(order.document, order.cache_namespace, done)
 
     def extract(self, job_id: str) -> None:
         """An extraction job: many questions about one document, decoded together."""
         outcome = self._execute(job_id, self._extract)
-        if outcome is None:
-            return
-        order, done = outcome
-        cancelled = any(a.finish_reason == "cancelled" for a in done.result.answers.values())
-        key = order.result_key if done.reproducible else None
-        result, speculation = done.result, done.speculation
-        self._finish(job_id, cancelled, done.usage, done.timings, result, key, speculation)
-        self._waiter.call(
-            lambda: self._record_prefix_use(
-                order.document, order.cache_namespace, done.usage, done.prefix_tokens
-            )
-        )
+        if outcome is not None:
+            order, done = outcome
+            cancelled = any(a.finish_reason == "cancelled" for a in done.result.answers.values())
+            self._finish(job_id, cancelled, done, order.result_key)
+            self._record_prefix_use(order.document, order.cache_namespace, done)
 
     def _generate(
         self, job_id: str, publisher: TokenPublisher, streamed: Streamed
@@ -164,37 +139,19 @@ class Runtime:
         self._waiter.call(lambda: self.store.finish(job_id, JobStatus.FAILED, error=error))
 
     def _finish(
-        self,
-        job_id: str,
-        cancelled: bool,
-        usage: Usage,
-        timings: Timings,
-        result: JobResult | ExtractionResult,
-        result_key: ResultKey | None = None,
-        speculation: SpeculationReport | None = None,
-    ) -> None:
-        """`result_key`: where to store the result, None when the run's output may depend on
-        what ran beside it (decided beside other rows without exactness for them)."""
-        record = partial(
-            self._record, job_id, cancelled, usage, timings, result, result_key, speculation
-        )
-        self._waiter.call(record)
-
-    def _record(
-        self,
-        job_id: str,
-        cancelled: bool,
-        usage: Usage,
-        timings: Timings,
-        result: JobResult | ExtractionResult,
-        result_key: ResultKey | None,
-        speculation: SpeculationReport | None,
+        self, job_id: str, cancelled: bool, done: Generation | Extracted, key: ResultKey | None
     ) -> None:
         """The finish script ends a job once; repeating this after a failure re-stores nothing
         (storing its result again writes the same entry)."""
+        self._waiter.call(partial(self._record, job_id, cancelled, done, key))
+
+    def _record(
+        self, job_id: str, cancelled: bool, done: Generation | Extracted, key: ResultKey | None
+    ) -> None:
+        result, usage, speculation = done.result, done.usage, done.speculation
         view = self.store.get(job_id)
         queued_ms = ((view.started_at or view.created_at) - view.created_at) * 1000
-        timings = timings.model_copy(update={"queued_ms": queued_ms})
+        timings = done.timings.model_copy(update={"queued_ms": queued_ms})
         status = JobStatus.CANCELLED if cancelled else JobStatus.FINISHED
         self.store.finish(
             job_id,
@@ -205,9 +162,10 @@ class Runtime:
             usage=usage,
             timings=timings,
         )
-        # A resumed job's tokens came from two attempts: correct, but not stored as a run.
-        if result_key is not None and not cancelled and not usage.resumed_tokens:
-            self._store_result(job_id, result_key, result, usage)
+        # Not stored: a run whose output may depend on what ran beside it (decided beside other
+        # rows without exactness for them), and a resumed job's tokens from two attempts.
+        if key is not None and done.reproducible and not cancelled and not usage.resumed_tokens:
+            self._store_result(job_id, key, result, usage)
         record_job(self._redis, usage, timings)
         if speculation is not None:
             record_speculation(self._redis, speculation)
@@ -228,13 +186,11 @@ class Runtime:
             self._results.record(key, entry)
 
     def _record_prefix_use(
-        self,
-        document: DocumentFields,
-        namespace: str | None,
-        usage: Usage,
-        prefix_tokens: int,
+        self, document: DocumentFields, namespace: str | None, done: Generation | Extracted
     ) -> None:
-        self._usage.record(document, namespace, hit=usage.cached_tokens >= prefix_tokens)
+        """Whether the job found its document's prefix computed (what the warmer learns from)."""
+        hit = done.usage.cached_tokens >= (done.prefix_tokens or 0)
+        self._waiter.call(lambda: self._usage.record(document, namespace, hit=hit))
 
     def warm(self, job_id: str) -> None:
         """Run a warm job; if other work arrives it steps aside and is queued again."""

@@ -121,7 +121,8 @@ def _end_loop(thread: PubSubWorkerThread) -> None:
 
 class GranaryWorker(SimpleWorker):
     """rq's work loop quits on a Redis error anywhere outside its dequeue, and a new process
-    would load the model again: here each step of the loop waits out an outage instead."""
+    would load the model again: here each step of the loop waits out an outage instead. How
+    jobs run is its subclass's (`ConclaveWorker`)."""
 
     def __init__(
         self,
@@ -155,19 +156,6 @@ class GranaryWorker(SimpleWorker):
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         return self._heartbeat_ttl_s
-
-    def execute_job(self, job: Job, queue: Queue) -> None:
-        try:
-            execution = self.prepare_execution(job)
-            beat = partial(self._contact.timed, partial(self.maintain_heartbeats, job, execution))
-            with _Heartbeat(beat, self._heartbeat_ttl_s / 3, self._waiter):
-                self.perform_job(job, queue, execution)
-        except REDIS_DOWN as exc:
-            # rq's bookkeeping around the job broke off. The job's own record (worker/tasks.py
-            # waits out outages) is the truth; rq's registry cleanup re-queues a job it still
-            # thinks is running, and running a job that already ended does nothing.
-            self._waiter.wait(exc)
-        self.set_state(WorkerStatus.IDLE)
 
     def check_for_suspension(self, burst: bool) -> None:
         self._waiter.call(partial(super().check_for_suspension, burst))
@@ -351,14 +339,10 @@ class ConclaveWorker(GranaryWorker):
         worker_commands.answer(self.connection, payload["reply"], self.name)
         log.info("worker %s dropped the prefixes its memory held idle", self.name)
 
-    @property
-    def active_jobs(self) -> int:
-        return len(self._active)
-
     def execute_job(self, job: Job, queue: Queue) -> None:
         try:
             execution = self.prepare_execution(job)
-        except REDIS_DOWN as exc:  # as GranaryWorker.execute_job: the registry re-queues it
+        except REDIS_DOWN as exc:  # rq's registry cleanup re-queues a job it thinks started
             self._waiter.wait(exc)
             return
         beat = partial(self._contact.timed, partial(self.maintain_heartbeats, job, execution))
@@ -379,6 +363,9 @@ class ConclaveWorker(GranaryWorker):
             with _Heartbeat(beat, self._heartbeat_ttl_s / 3, self._waiter):
                 self.perform_job(job, queue, execution)
         except REDIS_DOWN as exc:
+            # rq's bookkeeping around the job broke off. The job's own record (worker/tasks.py
+            # waits out outages) is the truth; rq's registry cleanup re-queues a job it still
+            # thinks is running, and running a job that already ended does nothing.
             self._waiter.wait(exc)
         finally:
             with self._changed:

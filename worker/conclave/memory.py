@@ -28,7 +28,6 @@ A sequence whose cells hold a whole document prefix is labelled with the documen
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import llama_cpp
@@ -87,9 +86,6 @@ class Memory:
         # Sources of buffer copies llama.cpp has queued but not made: it makes them at the next
         # decode, reading the source's buffer then (`seq_cp` across streams in llama-kv-cache).
         self._copy_sources: set[int] = set()
-
-    def residents(self) -> Iterator[Resident]:
-        return iter(self._residents.values())
 
     def documents(self) -> frozenset[str]:
         """Document prefixes a new prompt could reuse from memory now."""

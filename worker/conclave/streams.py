@@ -161,10 +161,6 @@ class StreamHandle:
         except queue.Empty:
             return None
 
-    def next_tagged(self) -> tuple[StreamHandle, Event]:
-        """Job thread, streams sharing a queue: the next event and whose it is."""
-        return self._events.get()
-
     def cancel(self) -> None:
         """Stop decoding after the current step; the stream ends with `cancelled`."""
         self.cancelled.set()
