@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import Callable
 from functools import partial
-from types import TracebackType
 from typing import Any
 
 from redis import Redis
@@ -43,49 +42,25 @@ log = logging.getLogger(__name__)
 TICK_S = 0.5
 
 
-class _Heartbeat:
-    """Calls `beat` every `every_s` seconds on a thread until the block exits."""
-
-    def __init__(self, beat: Callable[[], None], every_s: float, waiter: RedisWaiter) -> None:
-        self._beat = beat
-        self._every_s = every_s
-        self._waiter = waiter
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-
-    def __enter__(self) -> _Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self, _t: type[BaseException] | None, _e: BaseException | None, _tb: TracebackType | None
-    ) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._every_s):
-            try:
-                self._beat()
-                self._waiter.succeeded()
-            except REDIS_DOWN as exc:  # the next beat retries; the job goes on
-                self._waiter.failed(exc)
-            except Exception:  # a missed beat is retried; the job must go on
-                log.warning("heartbeat failed", exc_info=True)
-
-
-class _Ticker:
-    """Calls `tick` on a thread every `every_s` seconds, and at once whenever `wake` is set."""
+class _Periodic:
+    """Calls `call` on a thread of its own every `every_s` seconds, and at once whenever `wake`
+    is set, until stopped. A call that fails is retried at the next round: the job (for a
+    heartbeat) or the worker (for routing, an optimisation) goes on."""
 
     def __init__(
-        self, tick: Callable[[], None], every_s: float, wake: threading.Event, waiter: RedisWaiter
+        self,
+        call: Callable[[], None],
+        every_s: float,
+        waiter: RedisWaiter,
+        name: str,
+        wake: threading.Event | None = None,
     ) -> None:
-        self._tick = tick
+        self._call = call
         self._every_s = every_s
-        self._wake = wake
         self._waiter = waiter
+        self._wake = wake or threading.Event()
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="routing", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -96,6 +71,13 @@ class _Ticker:
         if self._thread.is_alive():
             self._thread.join()
 
+    def __enter__(self) -> _Periodic:
+        self.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
     def _run(self) -> None:
         while True:
             self._wake.wait(self._every_s)
@@ -103,11 +85,12 @@ class _Ticker:
             if self._stopped:
                 return
             try:
-                self._tick()
-            except REDIS_DOWN as exc:  # the next round tries again
+                self._call()
+                self._waiter.succeeded()
+            except REDIS_DOWN as exc:
                 self._waiter.failed(exc)
-            except Exception:  # routing is an optimisation: the worker goes on without it
-                log.warning("routing round failed", exc_info=True)
+            except Exception:
+                log.warning("%s failed", self._thread.name, exc_info=True)
 
 
 def _end_loop(thread: PubSubWorkerThread) -> None:
@@ -316,7 +299,7 @@ class ConclaveWorker(GranaryWorker):
         self._advertise_now = held_changed
         # Its calls, every TICK_S, are what tells this worker of a stall even when it is idle.
         tick = partial(self._contact.timed, self._tick)
-        self._ticker = _Ticker(tick, TICK_S, held_changed, waiter)
+        self._ticker = _Periodic(tick, TICK_S, waiter, "routing", held_changed)
         self._ticking = False
 
     def _listening_order(self) -> list[Queue]:
@@ -360,7 +343,7 @@ class ConclaveWorker(GranaryWorker):
 
     def _perform(self, job: Job, queue: Queue, execution: Any, beat: Callable[[], None]) -> None:
         try:
-            with _Heartbeat(beat, self._heartbeat_ttl_s / 3, self._waiter):
+            with _Periodic(beat, self._heartbeat_ttl_s / 3, self._waiter, "heartbeat"):
                 self.perform_job(job, queue, execution)
         except REDIS_DOWN as exc:
             # rq's bookkeeping around the job broke off. The job's own record (worker/tasks.py
