@@ -200,8 +200,8 @@ Three kernel setups (`bench/batch_rows.py`): **row-invariant below 32** is the w
 `make install` builds: llama.cpp's kernels that change code path with the number of rows
 start at 32 rows instead of 2, 4 and 8 (deploy/build-llama-wheel.sh patches the thresholds),
 except llamafile's Q8_0, Q5_0 and Q4_0 kernels on AVX2, whose arithmetic per output is a lone
-row's and which keep their 2; the one-row kernels of Q6_K and Q4_1 take several rows,
-unpacking each weight block once (deploy/llama-kquant-rows.patch); flash attention is tiled for every pass
+row's and which keep their 2; the one-row kernels of Q6_K, Q4_1 and repacked Q4_K take
+several rows, unpacking each weight block once (deploy/llama-kquant-rows.patch); flash attention is tiled for every pass
 (deploy/llama-flash-attn-tiles.patch). So a decode step of fewer rows computes each row as a
 lone decode does while a 256-token prefill chunk keeps the fast kernels; **stock** is the sdist
 unchanged (`make wheel-stock`), flash attention included;

@@ -11,8 +11,8 @@
 # quantisation of the activations from 4; the tiled K-quant path from 8; ARM's two-row mmla
 # dot from 2) start at ROWS rows instead, flash attention tiles every pass and splits a decode
 # row's cells only at fixed segments (deploy/llama-flash-attn-tiles.patch), and the one-row
-# kernels of Q6_K and Q4_1 take several rows, unpacking each weight block once for all of them
-# (deploy/llama-kquant-rows.patch). A decode step of fewer rows then computes each row as a
+# kernels of Q6_K, Q4_1 and repacked Q4_K take several rows, unpacking each weight block once
+# for all of them (deploy/llama-kquant-rows.patch). A decode step of fewer rows then computes each row as a
 # lone decode does, bit for bit, so the Conclave batches
 # jobs without near-tie replays (worker/conclave/row_check.py checks it at start-up); prefill
 # chunks, hundreds of rows, keep the fast kernels. For bench/batch_rows.py only: `stock` builds
@@ -92,12 +92,11 @@ bool llamafile_sgemm("
   # row reads the same alone or beside other rows (docs/BENCHMARKS.md, "Flash attention by
   # the rows of a pass").
   patch -p1 -s -d "$src/vendor/llama.cpp" <"$(dirname "$0")/llama-flash-attn-tiles.patch"
-  # Q6_K and Q4_1 weights against a pass's rows (deploy/llama-kquant-rows.patch): vec_dot's exact
+  # Q6_K, Q4_1 and repacked Q4_K weights against a pass's rows (deploy/llama-kquant-rows.patch,
+  # which also leaves repacked weights' rows below ROWS to gemv): the one-row kernel's exact
   # arithmetic per output, the weights' unpacking done once for all rows instead of once per row.
   patch -p1 -s -d "$src/vendor/llama.cpp" <"$(dirname "$0")/llama-kquant-rows.patch"
   edit "$cpu/repack.cpp" '        if (nrows > 3) {' "        if (nrows > 3 && nrows >= $rows) {"
-  edit "$cpu/repack.cpp" 'for (int iter = nrows - (nrows % 4); iter < nrows' \
-    "for (int iter = nrows >= $rows ? nrows - (nrows % 4) : 0; iter < nrows"
   edit "$cpu/repack.cpp" 'i11 < ne11 - ne11 % 4;' "i11 < (ne11 >= $rows ? ne11 - ne11 % 4 : 0);"
   edit "$cpu/repack.cpp" 'i11_processed = ne11 - ne11 % 4;' \
     "i11_processed = ne11 >= $rows ? ne11 - ne11 % 4 : 0;"
