@@ -7,6 +7,7 @@ import pytest
 
 from worker.conclave.drafts import (
     MAX_DRAFT,
+    PRIOR_ACCEPTANCE,
     Acceptance,
     Offer,
     PassCost,
@@ -114,4 +115,8 @@ def test_a_stream_learns_from_plain_passes_and_from_its_drafts() -> None:
     drafts.scored(drafts.take(3), 1, 77)  # one accepted, the second rejected
     assert drafts.drafted == 3
     assert drafts.acceptance.rate < before + 0.1  # one hit, one miss
-    assert StreamDrafts("on", [1, 2, 3], worker).acceptance.rate == worker.rate
+    # A new stream starts from the worker's rate, never above the prior: those before it may
+    # have copied where it writes free text.
+    assert worker.rate > PRIOR_ACCEPTANCE
+    assert StreamDrafts("on", [1, 2, 3], worker).acceptance.rate == PRIOR_ACCEPTANCE
+    assert StreamDrafts("on", [1, 2, 3], Acceptance(0.1)).acceptance.rate == 0.1
