@@ -87,8 +87,8 @@ class JobSettings(BaseModel):
     default_max_tokens: int = Field(256, gt=0)
     result_ttl_s: int = Field(86_400, gt=0)
     # For requests that do not say (worker/conclave/drafts.py). Off until `auto` never costs
-    # more than 3% on any bench workload: SmolLM2's free text, one stream, measured 0.92-1.01x
-    # `off` over three runs (docs/BENCHMARKS.md, "Speculative decoding").
+    # more than 3% on any bench workload; SmolLM2's free text, one stream, still moves across
+    # that line from run to run (docs/BENCHMARKS.md, "Speculative decoding").
     speculation: Literal["auto", "on", "off"] = "off"
 
 

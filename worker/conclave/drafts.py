@@ -156,8 +156,8 @@ class StreamDrafts:
         """`worker`: the acceptance of every stream so far, which this one starts from (an
         extraction's short answers end before a rate of their own would be learned) and
         keeps up to date; never above the prior: the streams before may have copied where
-        this one writes free text (after clause quotes, an essay's first drafts cost SmolLM2
-        12% of its speed), and a stream that copies raises its own rate within a few tokens."""
+        this one writes free text (an essay after clause quotes drafted at their rate, and
+        lost), and a stream that copies raises its own rate within a few tokens."""
         self.mode = mode
         self.lookup = PromptLookup(tokens)
         self.acceptance = Acceptance(min(worker.rate, PRIOR_ACCEPTANCE))
