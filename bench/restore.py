@@ -61,7 +61,9 @@ def section(settings: Settings, cache_dir: Path, rounds: int) -> str:
 
         def whole() -> None:
             hit = cache.lookup(prompt)
-            assert hit is not None and kv_state.restore(llama, hit.state, tokens, hit.n_tokens)
+            assert hit is not None and kv_state.restore_into(
+                llama, kv_state.SEQ, hit.state, hit.n_tokens
+            )
 
         deltas = PrefixCache(store, f"{FINGERPRINT}-delta", block_tokens=block)
         assert deltas.save(tokens[:BASE_TOKENS], base_state) and deltas.save(tokens, state)
@@ -72,7 +74,9 @@ def section(settings: Settings, cache_dir: Path, rounds: int) -> str:
 
         def composed() -> None:
             hit = deltas.lookup(prompt)
-            assert hit is not None and kv_state.restore(llama, hit.state, tokens, hit.n_tokens)
+            assert hit is not None and kv_state.restore_into(
+                llama, kv_state.SEQ, hit.state, hit.n_tokens
+            )
 
         _, kept = kv_state.capture(llama)
         saves = _saves(store, block, tokens, base_state, state, rounds)
@@ -85,10 +89,10 @@ def section(settings: Settings, cache_dir: Path, rounds: int) -> str:
             "check: `format.decode_blob` (header, tokens, payload digest)": lambda: decode_blob(
                 blob, FINGERPRINT
             ),
-            "load: `kv_state.restore` (`llama_state_seq_set_data`)": lambda: kv_state.restore(
-                llama, loaded, tokens, len(tokens)
+            "load: `kv_state.restore_into` (`llama_state_seq_set_data`)": lambda: (
+                kv_state.restore_into(llama, kv_state.SEQ, loaded, len(tokens))
             ),
-            "**whole restore**: `PrefixCache.lookup` + `kv_state.restore`": whole,
+            "**whole restore**: `PrefixCache.lookup` + `kv_state.restore_into`": whole,
             f"**whole restore of a delta** on a {BASE_TOKENS}-token base (two blobs read, "
             "composed into one state)": composed,
             **_copies(bytes(state), cache_dir / f"{FINGERPRINT}/blobs" / key.rsplit("/", 1)[1]),

@@ -2,7 +2,7 @@
 
 A snapshot holds a sequence's cells up to one of the prompt's snapshot points and nothing past
 it; only the disk write happens later, on another thread. The Conclave (worker/conclave/) restores
-into any of its sequences (`restore_into`); `restore` loads a plain Llama's sequence 0.
+into any of its sequences (`restore_into`).
 """
 
 from __future__ import annotations
@@ -48,27 +48,4 @@ def restore_into(llama: Llama, seq: int, state: bytes | memoryview, n_tokens: in
     if not loaded or not llama_cpp.llama_memory_seq_rm(mem, seq, n_tokens, -1):
         llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
         return False
-    return True
-
-
-def restore(llama: Llama, state: bytes | memoryview, tokens: list[int], n_tokens: int) -> bool:
-    """Load `state` (covering `tokens`), keep its first `n_tokens`; False leaves memory empty.
-
-    Cutting the tail is only correct for models whose memory allows it (plain attention); the
-    cache never hands a longer state to any other model.
-    """
-    llama.reset()
-    # Cells only, not their data: set_data writes every cell it restores, and cold prefill
-    # never zeroes the cache either. Zeroing it cost 4.9 ms (Qwen2.5-Coder-0.5B, n_ctx 4096).
-    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llama.ctx), False)
-    if llama_cpp.llama_state_seq_set_data(llama.ctx, _pointer(state), len(state), SEQ) == 0:
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llama.ctx), True)
-        return False
-    if n_tokens < len(tokens):
-        mem = llama_cpp.llama_get_memory(llama.ctx)
-        if not llama_cpp.llama_memory_seq_rm(mem, SEQ, n_tokens, -1):
-            llama_cpp.llama_memory_clear(mem, True)
-            return False
-    llama.input_ids[:n_tokens] = tokens[:n_tokens]
-    llama.n_tokens = n_tokens
     return True
