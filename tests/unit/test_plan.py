@@ -185,6 +185,15 @@ def test_a_lone_plain_stream_and_streams_past_a_near_tie_decode_alone() -> None:
     assert plan.alone == (2,)
 
 
+def test_every_stream_past_a_near_tie_decodes_alone_on_any_kernels() -> None:
+    # Stock kernels (no row budget) once every stream met a near tie: no batched pass at all.
+    decoding = [Decoding(key, seq=key, alone=True) for key in range(5)]
+    for max_rows in (None, 31):
+        plan = plan_decode(decoding, no_cost, max_rows)
+        assert plan.passes == ()
+        assert plan.alone == (0, 1, 2, 3, 4)
+
+
 def linear(rows: int) -> float:
     return 0.05 * rows  # no row cheaper than alone: a draft never pays for itself
 

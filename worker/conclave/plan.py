@@ -184,8 +184,8 @@ def plan_decode(
     batched = sorted((d for d in decoding if not d.alone), key=lambda d: d.seq)
     # A lone plain row gains nothing from the batched path; a drafting stream takes it, where
     # its guesses are scored and its passes timed (a pass of one row is a lone step then).
-    if len(batched) == 1 and not batched[0].drafting:
-        return DecodePlan((), (*alone, batched[0].key))
+    if not batched or (len(batched) == 1 and not batched[0].drafting):
+        return DecodePlan((), (*alone, *(d.key for d in batched)))
     width = len(batched) if max_rows is None else max(1, max_rows)
     passes = []
     for start in range(0, len(batched), width):
