@@ -115,6 +115,8 @@ async def stream_chat(
         if first is None and choices and (choices[0].get("delta") or {}).get("content"):
             first = time.perf_counter()
         usage = chunk.get("usage") or usage
+    if not usage:  # a completed stream ends with its usage; a failed job's had none
+        raise RuntimeError(f"{url}: a streamed chat ended without its usage: the request failed")
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return Reply(
         started,
