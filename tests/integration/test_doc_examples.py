@@ -29,7 +29,7 @@ NOT_RUN_HERE = {
     "make run": "starts the whole stack in the foreground; tests/integration/test_up.py runs it",
     "make test": "is what CI runs: the suite itself",
     "make lint": "ruff and mypy, run by developers before they commit",
-    "make bench": "takes about 30 minutes; writes docs/BENCHMARKS.md",
+    "make bench": "takes hours; writes docs/BENCHMARKS.md",
     "make soak": "takes minutes and a 30 s Redis outage; writes docs/SOAK.md",
     ".venv/bin/python -m bench.run": "runs models for many minutes; writes docs/BENCHMARKS.md",
 }
