@@ -22,7 +22,7 @@ import httpx
 
 from bench.completions import served
 from bench.conclave import document
-from bench.paired import per_round, ratio_summary
+from bench.paired import in_turn, per_round, ratio_summary
 from shared.models import resolve_model
 from shared.settings import Settings
 
@@ -91,7 +91,7 @@ def measure(settings: Settings, log_dir: Path, rounds: int) -> list[dict[str, An
     with served(settings, resolve_model(MODEL, settings.data_dir), log_dir, db=3) as stack:
         ask(stack.url, 1, 1)  # first-request costs, on a document of its own
         for r in range(rounds):
-            order = KINDS[r % 3 :] + KINDS[: r % 3]
+            order = in_turn(KINDS, r)
             got.append(
                 {k: measured(stack.url, k, 10_000 * (3 * r + i + 2)) for i, k in enumerate(order)}
             )

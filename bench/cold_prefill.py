@@ -4,7 +4,8 @@ A chat whose system message holds a nonce (so no two requests share more than th
 first tokens, on any system) and whose user message is a ~1,200- or ~3,600-token document
 (Qwen2.5-Coder-0.5B, 2 threads, greedy, 1 token, streaming `/v1/chat/completions`, timed at the
 client: granary's time includes its whole job path). Systems run side by side, one request at a
-time, in rounds: each round asks every system once per size, back to back, and a system's ratio
+time, in rounds: each round asks every system once per size, back to back, in an order that
+rotates round by round, and a system's ratio
 to the peer is taken within each round (bench/paired.py). Systems: granary as configured by default (the Conclave, `flash_attn` on), granary
 with `flash_attn = false`, granary with its prefix cache off (no snapshot is captured or
 written while the prompt is read), the same prompt prefilled in this process on a context laid
@@ -30,7 +31,7 @@ import llama_cpp
 from llama_cpp import Llama
 
 from bench.conclave import Reply, document, llama_server, stream_chat
-from bench.paired import ForeignCpu, per_round, ratio_summary, shares_text
+from bench.paired import ForeignCpu, in_turn, per_round, ratio_summary, shares_text
 from shared.llm import render_prompt, tokenize
 from shared.schemas import JobRequest
 from shared.settings import Settings
@@ -170,12 +171,12 @@ def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int)
         tokens: dict[tuple[str, str], int] = {}
         foreign: list[float] = []
         nonce = 1000
-        for _ in range(rounds):
+        for k in range(rounds):
             with ForeignCpu() as cpu:
                 for size, lines in SIZES.items():
-                    for name, ask in systems.items():
+                    for name in in_turn(list(systems), k):
                         nonce += 1
-                        ttft, tokens[(name, size)] = ask(nonce, lines)
+                        ttft, tokens[(name, size)] = systems[name](nonce, lines)
                         ttfts.setdefault((name, size), []).append(ttft)
             foreign.append(cpu.share)
     return _render(systems, ttfts, tokens, foreign)

@@ -9,8 +9,8 @@ the long request's TTFT against its TTFT alone (another document of the same len
 cache helps either), measured first in each round.
 
 Every system has the same model file and 2 threads, and all run side by side, asked in turn,
-round after round (bench/paired.py): granary (API + one worker: one job at a time
-(`max_active_jobs` 1), then 8 at once with the kernels `make install` builds, whose batched rows
+round after round, in an order that rotates (bench/paired.py): granary (API + one worker: one
+job at a time (`max_active_jobs` 1), then 8 at once with the kernels `make install` builds, whose batched rows
 equal lone ones; then with the stock kernels (`make wheel-stock`), where exact batching replays
 near ties, and with `worker.exact_batching` off, which does not; flash attention on, as
 llama-server chooses it by itself on a CPU) and `llama-server -np 8 -kvu` built from the
@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
-from bench.paired import ForeignCpu, per_round, ratio_summary, shares_text
+from bench.paired import ForeignCpu, in_turn, per_round, ratio_summary, shares_text
 from shared.models import resolve_model
 from shared.settings import Settings
 from tests.harness import Stack, _get_ok, _wait_for, free_port
@@ -333,7 +333,7 @@ def section(
             systems[PEER] = running.enter_context(llama_server(server, settings, log_dir))
         for k in range(rounds):
             with ForeignCpu() as cpu:
-                for j, (name, (url, pids)) in enumerate(systems.items()):
+                for j, (name, (url, pids)) in in_turn(list(enumerate(systems.items())), k):
                     try:
                         rows, mix = measure(url, name, 10_000 * (k * len(systems) + j), pids)
                     except httpx.HTTPError as exc:
@@ -342,13 +342,13 @@ def section(
                         # The peer failing must not cost granary's rows: it leaves the run.
                         peer_failure = f"{type(exc).__name__}: {exc}; its log ends:\n"
                         peer_failure += _log_tail(log_dir)
-                        break
+                        continue
                     for row in rows:
                         loads.setdefault((name, row.clients), []).append(row)
                     mixes.setdefault(name, []).append(mix)
             foreign.append(cpu.share)
             if peer_failure is not None:
-                del systems[PEER]
+                systems.pop(PEER, None)
     if peer_failure is not None:
         loads = {key: rows for key, rows in loads.items() if key[0] != PEER}
         mixes.pop(PEER, None)
@@ -373,8 +373,9 @@ def _render(
         f"~115-token prompts, {MAX_TOKENS} tokens each, greedy; all clients start at once and "
         f"each sends {REQUESTS} requests one after the other. tok/s: completion tokens over the "
         "wall time of the round; TTFT over all its requests. Every system runs side by side "
-        f"and is asked in turn, {len(foreign)} rounds: values are medians over rounds, a ratio "
-        "to the peer is taken within each round (median and range; bench/paired.py). "
+        f"and is asked in turn (the order rotating), {len(foreign)} rounds: values are medians "
+        "over rounds, a ratio to the peer is taken within each round (median and range; "
+        "bench/paired.py). "
         "TTFT: the median and the slowest of the round's requests (2 to 16 of them, too few for "
         "a p95). Targets (issue 32): 8 clients ≥ 1.15× the peer's tok/s with the slowest TTFT "
         "(the issue's p95) ≤ the peer's; "

@@ -6,7 +6,8 @@ greedy, answers of at most 16 tokens), asked three ways: one `/v1/extractions` j
 document (granary only; all submitted at once), an OpenAI client asking one question at a time,
 and an OpenAI client with 8 questions in flight (in document order, as a thread pool takes
 them). granary (as configured by default) and llama-server (`-np 8
--kvu`, built from the same llama.cpp) run side by side and take turns, round by round, each on
+-kvu`, built from the same llama.cpp) run side by side and take turns, round by round (each
+client of each system once per round, in an order that rotates), each on
 documents new to all. The ratio is taken per round:
 the peer's seconds over granary's (above 1, granary is faster); the table gives the median and
 the range over rounds, and the prompt tokens each system reused from memory.
@@ -26,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from bench.conclave import Reply, document, llama_server, stream_chat
-from bench.paired import ForeignCpu, per_round, ratio_summary, shares_text
+from bench.paired import ForeignCpu, in_turn, per_round, ratio_summary, shares_text
 from shared.settings import Settings
 from tests.harness import Stack
 
@@ -150,12 +151,15 @@ def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int)
         for url, clients in systems.values():  # load pages, nothing measured
             clients[ONE_AT_A_TIME](url, [document(1, 2)])
         seed = 10_000
-        for _ in range(rounds):
+        asks = [(name, client) for name, (_, clients) in systems.items() for client in clients]
+        for k in range(rounds):
             with ForeignCpu() as cpu:
-                for name, (url, clients) in systems.items():
-                    for client, ask in clients.items():
-                        seed += 100_000  # documents new to every system
-                        timed.setdefault((name, client), []).append(ask(url, _documents(seed)))
+                for name, client in in_turn(asks, k):
+                    url, clients = systems[name]
+                    seed += 100_000  # documents new to every system
+                    timed.setdefault((name, client), []).append(
+                        clients[client](url, _documents(seed))
+                    )
             foreign.append(cpu.share)
     return _render(timed, foreign)
 

@@ -2,8 +2,10 @@
 
 A host's speed drifts between minutes (up to 2.5 times between phases here), so a ratio of two
 medians taken minutes apart can say more about the host than about the systems. Each round
-runs every system once, back to back; its ratio compares them under the same conditions, and
-the median and range over rounds say how steady that is. What else the host ran during a round
+runs every system once, back to back, the order rotating round by round (`in_turn`): what
+runs just before a system (a peer's leftover work, a host phase's start) is not always the same
+one. Its ratio compares them under the same conditions, and the median and range over rounds
+say how steady that is. What else the host ran during a round
 (CPU spent outside this process and its children) is stated beside it, so a disturbed round
 shows as one.
 """
@@ -16,8 +18,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+T = TypeVar("T")
+
+
+def in_turn(systems: Sequence[T], round_index: int) -> list[T]:
+    """The order in which round `round_index` runs `systems`: each round starts one further."""
+    start = round_index % len(systems) if systems else 0
+    return [*systems[start:], *systems[:start]]
 
 
 def ratio_summary(ratios: Sequence[float]) -> str:

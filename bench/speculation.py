@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from bench.paired import ratio_summary
+from bench.paired import in_turn, ratio_summary
 from tests.harness import Stack
 
 MODES = ("off", "on", "auto")
@@ -185,7 +185,7 @@ def measure(stack: Stack, rounds: int) -> Results:
             _run_group(client, jobs_of(-1)[:1], "off")  # the document's prefill, then cached
             for k in range(rounds):
                 jobs = jobs_of(k)
-                order = MODES[k % 3 :] + MODES[: k % 3]
+                order = in_turn(MODES, k)
                 for streams in (1, CONCURRENT):
                     for mode in order:
                         if streams == 1:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import exam
-from bench.paired import per_round, ratio_summary
+from bench.paired import in_turn, per_round, ratio_summary
 from shared.settings import Settings
 from tests.harness import Stack
 
@@ -90,7 +90,7 @@ def measure(settings: Settings, log_dir: Path) -> list[Voted]:
         }
         exam.follow(stack, "/v1/extractions", warm_up)  # first-request costs
         for d, doc in enumerate(docs):
-            order = SAMPLES[d % len(SAMPLES) :] + SAMPLES[: d % len(SAMPLES)]
+            order = in_turn(SAMPLES, d)
             by = {n: run(stack, settings.model, doc, n) for n in order}
             results += [by[n] for n in SAMPLES]
     finally:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.paired import ForeignCpu, _tree_cpu_s, per_round, ratio_summary
+from bench.paired import ForeignCpu, _tree_cpu_s, in_turn, per_round, ratio_summary
 
 BURN = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass\n"
 
@@ -20,6 +20,15 @@ def test_a_ratio_is_taken_within_each_round_and_summed_up_as_median_and_range() 
     ours, theirs = [2.0, 1.0, 3.0], [1.0, 1.0, 1.0]
     assert per_round(ours, theirs) == [2.0, 1.0, 3.0]
     assert ratio_summary(per_round(ours, theirs)) == "2.00\u00d7 (1.00\u20133.00)"
+
+
+def test_each_round_starts_with_the_next_system_and_runs_every_one_once() -> None:
+    systems = ("granary", "granary, flash off", "peer")
+    orders = [in_turn(systems, k) for k in range(4)]
+    assert orders[0] == list(systems)
+    assert [order[0] for order in orders] == ["granary", "granary, flash off", "peer", "granary"]
+    assert all(sorted(order) == sorted(systems) for order in orders)
+    assert in_turn((), 3) == []
 
 
 @contextmanager
