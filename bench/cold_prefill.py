@@ -5,8 +5,8 @@ first tokens, on any system) and whose user message is a ~1,200- or ~3,600-token
 (Qwen2.5-Coder-0.5B, 2 threads, greedy, 1 token, streaming `/v1/chat/completions`, timed at the
 client: granary's time includes its whole job path). Systems run side by side, one request at a
 time, in rounds: each round asks every system once per size, back to back, in an order that
-rotates round by round, and a system's ratio
-to the peer is taken within each round (bench/paired.py). Systems: granary as configured by default (the Conclave, `flash_attn` on), granary
+rotates round by round, and a system's ratio to the peer is taken within each round
+(bench/paired.py). Systems: granary as configured by default (the Conclave, `flash_attn` on), granary
 with `flash_attn = false`, granary with its prefix cache off (no snapshot is captured or
 written while the prompt is read), the same prompt prefilled in this process on a context laid
 out as the Conclave's (256-token chunks, no prompt breaks, no job path, no cache: what the model

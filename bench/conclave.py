@@ -10,11 +10,11 @@ cache helps either), measured first in each round.
 
 Every system has the same model file and 2 threads, and all run side by side, asked in turn,
 round after round, in an order that rotates (bench/paired.py): granary (API + one worker: one
-job at a time (`max_active_jobs` 1), then 8 at once with the kernels `make install` builds, whose batched rows
-equal lone ones; then with the stock kernels (`make wheel-stock`), where exact batching replays
-near ties, and with `worker.exact_batching` off, which does not; flash attention on, as
-llama-server chooses it by itself on a CPU) and `llama-server -np 8 -kvu` built from the
-llama.cpp llama-cpp-python vendors (`make peer-server`).
+job at a time (`max_active_jobs` 1), then 8 at once with the kernels `make install` builds,
+whose batched rows equal lone ones; then with the stock kernels (`make wheel-stock`), where
+exact batching replays near ties, and with `worker.exact_batching` off, which does not; flash
+attention on, as llama-server chooses it by itself on a CPU) and `llama-server -np 8 -kvu`
+built from the llama.cpp llama-cpp-python vendors (`make peer-server`).
 """
 
 from __future__ import annotations
