@@ -6,22 +6,16 @@ chunks"). So every prefill, cold or after a restore, ends its chunks at the same
 prompt, whatever memory or the disk held: multiples of the cache's block, the prompt's breaks
 (worker/prompt_breaks.py) and where prefill stops. A restore may then end only at a point both
 the stored state's prefill and the new prompt's cold prefill ended a chunk at
-(`shared.prefix_cache.restorable_tokens`), and every cell after it is computed as cold.
+(`shared.prefix_cache.restorable_tokens`; on kernels the start-up checks, also inside a
+chunk), and every cell after it is computed as cold. `chunk_end` itself lives beside that rule,
+in shared/prefix_cache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-
-def chunk_end(position: int, limit: int, block_tokens: int, breaks: Sequence[int]) -> int:
-    """Where the prefill chunk starting at `position` ends: the next block boundary, break or
-    `limit`, whichever comes first."""
-    return min(
-        position - position % block_tokens + block_tokens,
-        limit,
-        *(b for b in breaks if b > position),
-    )
+from shared.prefix_cache import chunk_end
 
 
 def chunk_ends(limit: int, block_tokens: int, breaks: Sequence[int]) -> Iterator[int]:

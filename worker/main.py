@@ -20,7 +20,13 @@ from shared.warm_runs import WarmRuns
 from worker import tasks
 from worker.conclave.engine import ConclaveEngine
 from worker.conclave.loop import Conclave
-from worker.conclave.row_check import PAST_PADDED_WINDOW, batched_rows_equal_lone, remembered
+from worker.conclave.row_check import (
+    PAST_PADDED_WINDOW,
+    KernelFacts,
+    batched_rows_equal_lone,
+    remembered,
+    slice_granule,
+)
 from worker.kernels import build_stamp, exact_row_limit
 from worker.model import load_model, memory_is_truncatable, warm_up
 from worker.prefix_saver import PrefixSaver
@@ -59,21 +65,35 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
     # check fills one sequence past the padded window, or as far as a sequence holds.
     long_cells = min(PAST_PADDED_WINDOW, settings.n_ctx - 1) if settings.flash_attn else 0
 
-    def startup() -> bool:
+    def startup() -> KernelFacts:
         warm_up(llama)
         if rows_invariant is not None:
-            return rows_invariant
-        what_decides = [
+            return KernelFacts(rows_invariant)
+        kernels = [
             cache_fingerprint(settings),  # the model file, flash attention, the CPU's kernels
             build_stamp(),
             f"exact-rows={exact_row_limit()}",
+        ]
+        shape = [
             f"threads={llama.context_params.n_threads}",
             f"sequences={n_seq}",
             f"long-cells={long_cells}",
         ]
-        key = hashlib.blake2b("|".join(what_decides).encode(), digest_size=16).hexdigest()
-        check = partial(batched_rows_equal_lone, llama, n_seq, long_cells)
-        return remembered(settings.data_dir / "row-checks.json", key, check)
+        record = settings.data_dir / "row-checks.json"
+        rows = remembered(
+            record,
+            _key("rows", *kernels, *shape),
+            partial(batched_rows_equal_lone, llama, n_seq, long_cells),
+            lambda kept: isinstance(kept, bool),
+        )
+        # Where a chunk may be cut depends on the kernels and the passes' splits alone.
+        granule = remembered(
+            record,
+            _key("slices", *kernels, f"batch={llama.n_batch},{llama.context_params.n_ubatch}"),
+            partial(slice_granule, llama) if truncatable else lambda: None,
+            lambda kept: kept is None or type(kept) is int,
+        )
+        return KernelFacts(rows, granule)
 
     conclave = Conclave(
         llama,
@@ -92,6 +112,11 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
         yielding=yielding,
     )
     return ConclaveEngine(llama, conclave, settings.n_ctx, cache, saver)
+
+
+def _key(check: str, *what_decides: str) -> str:
+    digest = hashlib.blake2b("|".join(what_decides).encode(), digest_size=16).hexdigest()
+    return f"{check}:{digest}"
 
 
 def run_worker(settings: Settings) -> None:

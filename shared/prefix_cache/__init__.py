@@ -17,6 +17,7 @@ from shared.prefix_cache.cache import (
     CacheHit,
     PrefixCache,
     ReadOffer,
+    chunk_end,
     open_cache,
     restorable_tokens,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "ReadOffer",
     "StateLayout",
     "cache_report",
+    "chunk_end",
     "common_prefix_len",
     "configured_fingerprint",
     "first_cells",

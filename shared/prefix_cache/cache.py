@@ -153,6 +153,22 @@ COUNTERS = {
 }
 
 
+# The rows a pass needs before every kernel of a prompt chunk has taken its batched path (the
+# tiled K-quant path: from 8 rows), with room for builds that switch later: a restore inside a
+# chunk leaves the rest of it this many tokens at least (`restorable_tokens`).
+MIN_PASS_ROWS = 32
+
+
+def chunk_end(position: int, limit: int, block_tokens: int, breaks: Collection[int]) -> int:
+    """Where the prefill chunk starting at `position` ends: the next block boundary, break or
+    `limit`, whichever comes first (worker/chunk_ends.py says why)."""
+    return min(
+        position - position % block_tokens + block_tokens,
+        limit,
+        *(b for b in breaks if b > position),
+    )
+
+
 def restorable_tokens(
     common: int,
     stored: int,
@@ -161,6 +177,7 @@ def restorable_tokens(
     truncatable: bool,
     breaks: Collection[int] = (),
     stored_breaks: Collection[int] = (),
+    granule: int | None = None,
 ) -> int:
     """How many tokens of a stored prefix a prompt may restore so warm output equals cold.
 
@@ -174,6 +191,14 @@ def restorable_tokens(
     stored state's end when the prompt's cold run ends a chunk there too. A longer state is
     cut back, which only plain-attention memories allow. `stored_breaks`: the stored state's
     breaks (states on disk end at their only break, so they have none inside).
+
+    `granule`: on this host's kernels (worker/conclave/row_check.py, `slice_granule`) a
+    pass's rows are grouped from its first, a group's arithmetic differing from a leftover
+    row's, and a pass of at least MIN_PASS_ROWS rows takes the same paths whatever its length.
+    Then a state cut back inside a chunk read in such a pass, at a multiple of `granule` from
+    the chunk's start, holds the cold run's cells, and the rest of the chunk read from there,
+    MIN_PASS_ROWS rows at least, is grouped and computed as the cold run's: the restore may
+    end there instead of at the chunk's start.
     """
     n = min(common, limit, stored)
     ours = {b for b in breaks if b < n}
@@ -185,7 +210,11 @@ def restorable_tokens(
     if not truncatable:
         return 0
     both = {b for b in breaks if b in stored_breaks and b <= n}
-    return max([n - n % block_tokens, *both])
+    start = max([n - n % block_tokens, *both])  # of the chunk both prefills read `n` in
+    if granule is None or n - start < MIN_PASS_ROWS:
+        return start
+    rest = chunk_end(start, limit, block_tokens, breaks) - MIN_PASS_ROWS
+    return start + max(0, min(n, rest) - start) // granule * granule
 
 
 class PrefixCache:
@@ -221,6 +250,9 @@ class PrefixCache:
         self._hot_hits = hot_hits
         self._max_probes = max_probes
         self._deltas = deltas
+        # Set by the worker once its kernels are checked (`restorable_tokens`); until then, and
+        # for every other reader, restores end at chunk ends.
+        self.granule: int | None = None
         self._composer = Composer()
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(COUNTERS, 0)
@@ -492,6 +524,7 @@ class PrefixCache:
             self._truncatable,
             breaks,
             stored_breaks,
+            self.granule,
         )
 
     def _best_effort(self, write: Callable[..., object], *args: object) -> None:
@@ -744,6 +777,7 @@ class PrefixCache:
         )
         # Counted with this cache's: the model's figures, whoever's prompts they were.
         cache._lock, cache._counters = self._lock, self._counters
+        cache.granule = self.granule
         return cache
 
     def counters(self) -> dict[str, int]:

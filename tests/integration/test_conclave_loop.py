@@ -13,6 +13,7 @@ from shared.settings import Settings
 from tests.conftest import DATA_DIR
 from worker.conclave.engine import ConclaveEngine
 from worker.conclave.loop import Conclave
+from worker.conclave.row_check import KernelFacts
 from worker.conclave.streams import Ended, StreamHandle, StreamRequest, Token
 from worker.main import build_conclave
 from worker.model import load_model, warm_up
@@ -174,7 +175,7 @@ def test_the_start_up_decodes_on_the_thread_that_serves_and_its_failure_is_raise
     llama = load_model(SETTINGS, 2)
     seen: list[threading.Thread] = []
 
-    def conclave(startup: Callable[[], bool]) -> Conclave:
+    def conclave(startup: Callable[[], KernelFacts]) -> Conclave:
         return Conclave(
             llama,
             lambda _: None,
@@ -186,10 +187,10 @@ def test_the_start_up_decodes_on_the_thread_that_serves_and_its_failure_is_raise
             startup=startup,
         )
 
-    def startup() -> bool:
+    def startup() -> KernelFacts:
         warm_up(llama)
         seen.append(threading.current_thread())
-        return True
+        return KernelFacts(rows_invariant=True)
 
     serving = conclave(startup)
     tokens = llama.tokenize(b"The harvest was", add_bos=True)
@@ -204,7 +205,7 @@ def test_the_start_up_decodes_on_the_thread_that_serves_and_its_failure_is_raise
     assert len(seen) == 3 and seen[0] is not threading.main_thread()
     assert seen[1] is seen[0] and seen[2] is seen[0]
 
-    def failing() -> bool:
+    def failing() -> KernelFacts:
         raise RuntimeError("the warm-up decode failed")
 
     with pytest.raises(RuntimeError, match="warm-up decode failed"):

@@ -23,6 +23,7 @@ from tests.conftest import DATA_DIR
 from worker import kv_state
 from worker.chunk_ends import snapshot_points
 from worker.conclave.loop import Conclave
+from worker.conclave.row_check import KernelFacts
 from worker.conclave.streams import Ended, Event, Started, StreamHandle, StreamRequest, Token
 from worker.decode_batch import fill_batch, llama_batch
 from worker.model import load_model, warm_up
@@ -114,9 +115,9 @@ def serving(tmp_path: Path) -> Iterator[Callable[[bool, PrefixSaver | None], Con
     cache = open_cache(settings(tmp_path))
     running: list[Conclave] = []
 
-    def startup() -> bool:
+    def startup() -> KernelFacts:
         warm_up(llama)
-        return True
+        return KernelFacts(rows_invariant=True)
 
     def start(with_cache: bool, saver: PrefixSaver | None) -> Conclave:
         for earlier in running:

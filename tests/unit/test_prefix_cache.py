@@ -304,6 +304,32 @@ def test_usable_with_breaks(
     assert got == expected
 
 
+@pytest.mark.parametrize(
+    ("common", "stored", "breaks", "stored_breaks", "truncatable", "expected"),
+    [
+        (203, 230, (), (), True, 200),  # a multiple of 4 inside the block from 128
+        (240, 250, (), (), True, 224),  # 32 tokens left to read in the chunk, at least
+        (203, 230, (150,), (150,), True, 202),  # ... from the shared break at 150, a chunk start
+        (159, 230, (), (), True, 128),  # fewer than 32 tokens of the chunk read before it
+        (240, 250, (200,), (), True, 168),  # the state ended no chunk at 200, this prompt does
+        (203, 230, (), (), False, 0),  # memory that cannot be cut back keeps the old rule
+        (256, 256, (), (), False, 256),
+        (290, 300, (), (), True, 264),  # the last chunk ends at the limit, 299: 32 before it
+    ],
+)
+def test_a_granule_lets_a_restore_end_inside_a_chunk(
+    common: int,
+    stored: int,
+    breaks: tuple[int, ...],
+    stored_breaks: tuple[int, ...],
+    truncatable: bool,
+    expected: int,
+) -> None:
+    got = restorable_tokens(common, stored, 299, 128, truncatable, breaks, stored_breaks, 4)
+    assert got == expected
+    assert restorable_tokens(common, stored, 299, 128, truncatable, breaks, stored_breaks) <= got
+
+
 def test_lookup_restores_a_document_prefix_ending_mid_block() -> None:
     cache = saved(False, P)  # 20 tokens: a document prefix, block size 8
     prompt = [*P, 7, 8, 9]

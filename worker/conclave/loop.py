@@ -23,6 +23,7 @@ lone decodes it saves; a confident stream (an extraction's short answers) stays 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import queue
@@ -42,11 +43,12 @@ from shared.prefix_cache import (
     CacheHit,
     PrefixCache,
     ReadOffer,
+    chunk_end,
     common_prefix_len,
     restorable_tokens,
 )
 from worker import kv_state
-from worker.chunk_ends import chunk_end, chunk_ends, snapshot_points
+from worker.chunk_ends import chunk_ends, snapshot_points
 from worker.conclave.disk_reads import DiskReads
 from worker.conclave.drafts import Acceptance, PassCost, StreamDrafts, ubatch_rows
 from worker.conclave.memory import Memory, Resident, Reuse
@@ -59,6 +61,7 @@ from worker.conclave.plan import (
     plan_decode,
     plan_prefill,
 )
+from worker.conclave.row_check import KernelFacts
 from worker.conclave.streams import (
     Ended,
     EndReason,
@@ -159,13 +162,14 @@ class Conclave:
         min_snapshot_tokens: int,
         n_seq: int,
         truncatable: bool,
-        startup: Callable[[], bool],
+        startup: Callable[[], KernelFacts],
         exact: bool = True,
         costs: RestoreCosts | None = None,
         yielding: SaveYield | None = None,
     ) -> None:
         """`startup` runs first on the model thread, before any job: the warm-up decode, then
-        whether batched rows equal lone ones (`rows_invariant`). If it raises, so does this.
+        whether batched rows equal lone ones (`rows_invariant`) and where a prompt chunk may be
+        cut (row_check.py). If it raises, so does this.
         `costs`: what decides between restoring a prefix from disk and prefilling it again;
         `yielding`: the saver's, told what each decode pass took and when the model waits."""
         self.llama = llama
@@ -181,6 +185,7 @@ class Conclave:
         self._cut_snapshots = truncatable
         self._exact = exact
         self.rows_invariant = False
+        self._granule: int | None = None  # `_use_granule`
         # What decode passes cost by their rows, and the most rows one may have and stay exact.
         self._pass_cost = PassCost()
         self._acceptance = Acceptance()  # of every drafting stream's guesses
@@ -284,17 +289,19 @@ class Conclave:
     # --- the model thread ------------------------------------------------------------------
 
     def _run(
-        self, startup: Callable[[], bool], started: queue.SimpleQueue[BaseException | None]
+        self, startup: Callable[[], KernelFacts], started: queue.SimpleQueue[BaseException | None]
     ) -> None:
         # Every decode of the model happens on this one thread, the start-up's too. llama.cpp's
         # CPU backend runs a decode on an OpenMP team of the calling thread, and each thread
         # that ever decoded keeps a team: with a second one left from a decode on the main
         # thread, every decode here took much longer on 2 cores (docs/ARCHITECTURE.md).
         try:
-            self.rows_invariant = startup()
+            facts = startup()
         except BaseException as exc:
             started.put(exc)
             return
+        self.rows_invariant = facts.rows_invariant
+        self._use_granule(facts.granule)
         started.put(None)
         while True:
             with self._lock:
@@ -321,6 +328,18 @@ class Conclave:
                 self._wake.wait()
                 self._wake.clear()
                 self._waiting_for_work(False)
+
+    def _use_granule(self, granule: int | None) -> None:
+        """Restores from memory, the disk and a leader may end inside a chunk at multiples of
+        `granule` (`restorable_tokens`); not where prefill splits a chunk at other points
+        (`n_batch` or llama.cpp's `n_ubatch` not multiples of it)."""
+        params = self.llama.context_params
+        if granule is not None and (params.n_batch % granule or params.n_ubatch % granule):
+            granule = None
+        self._granule = self._memory.granule = granule
+        cache = self._cache_for(None)
+        if cache is not None:  # namespaced caches are made from it, granule included
+            cache.granule = granule
 
     def _turn(self) -> bool:
         """One turn of the loop; False when there was nothing to do."""
@@ -393,9 +412,10 @@ class Conclave:
             return 0
         common = common_prefix_len(leader.tokens[: leader.prefill_end], follower.tokens)
         block = self._block_tokens
-        ends = itertools.takewhile(
-            lambda end: end <= common, chunk_ends(leader.prefill_end, block, leader.breaks)
-        )
+        ends = list(chunk_ends(leader.prefill_end, block, leader.breaks))
+        # The chunk ends up to `common`, and the first past it: with a granule, a fork may
+        # cut that chunk back to inside it.
+        ends = ends[: bisect.bisect_right(ends, common) + (self._granule is not None)]
         return max(
             (
                 restorable_tokens(
@@ -406,6 +426,7 @@ class Conclave:
                     self._truncatable,
                     follower.breaks,
                     tuple(b for b in leader.breaks if b <= end),
+                    self._granule,
                 )
                 for end in ends
             ),

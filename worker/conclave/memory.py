@@ -80,6 +80,7 @@ class Memory:
         self._mem = mem
         self._block_tokens = block_tokens
         self._truncatable = truncatable
+        self.granule: int | None = None  # the kernels' (`restorable_tokens`), once checked
         self._n_seq = n_seq
         self._free = set(range(n_seq))
         self._residents: dict[int, Resident] = {}
@@ -119,6 +120,7 @@ class Memory:
                 self._truncatable,
                 breaks,
                 resident.breaks,
+                self.granule,
             )
             # Memory that cannot drop a tail is reused only when nothing follows the prefix.
             if not self._truncatable and len(resident.tokens) > kept:

@@ -23,6 +23,13 @@ reaches 512 cells, and a row beside other sequences never; the wheel `make insta
 splits every decode row's window at the same fixed segments, alone or not
 (deploy/llama-flash-attn-tiles.patch), so with flash attention the worker checks that case too
 (`long_cells`).
+
+A second check, `slice_granule`, asks where a restore may end inside a prompt chunk: the
+chunk read whole, its cells then cut back to a point inside it and the rest read again, as a
+restore from memory or disk and the prefill after it do; the logits after the prompt must be
+the whole read's. A pass's rows are grouped from its first and a leftover row past the last
+whole group takes another kernel, so the points tried are multiples of a granule from the
+chunk's start; the rest read is MIN_PASS_ROWS long at the least, as the restores are.
 """
 
 from __future__ import annotations
@@ -30,21 +37,43 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar, cast
 
 import llama_cpp
 import numpy as np
 import numpy.typing as npt
 from llama_cpp import Llama
 
+from shared.prefix_cache.cache import MIN_PASS_ROWS
 from shared.prefix_cache.fingerprint import read_json, write_json
 from worker.decode_batch import fill_batch, llama_batch
+from worker.kernels import prompt_chunk_kernels
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 TEXT = b"Granary keeps what it has read; a shared prefix is computed once and restored after."
 # Cells of a sequence past the attention window's padding (256), for `long_cells`.
 PAST_PADDED_WINDOW = 260
+
+
+# The granules `slice_granule` tries, smallest first. Its chunk starts at an odd position, as
+# one after a prompt's break may, and is a whole number of the largest granule longer than
+# MIN_PASS_ROWS, so its last cut leaves exactly that many rows.
+GRANULES = (4, 8, 16, 32)
+SLICE_START = 37
+SLICE_END = SLICE_START + MIN_PASS_ROWS + 4 * GRANULES[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class KernelFacts:
+    """What the start-up checks found of this build's kernels on the loaded model."""
+
+    rows_invariant: bool  # `batched_rows_equal_lone`
+    granule: int | None = None  # `slice_granule`
 
 
 def row_counts(n_seq: int) -> list[int]:
@@ -110,15 +139,79 @@ def batched_rows_equal_lone(llama: Llama, n_seq: int, long_cells: int = 0) -> bo
     return equal
 
 
-def remembered(record: Path, key: str, check: Callable[[], bool]) -> bool:
+def slice_granule(llama: Llama) -> int | None:
+    """The smallest of GRANULES at every multiple of which, from a chunk's start, the chunk's
+    cells may be cut back and the rest read again with the logits after the prompt unchanged
+    (`shared.prefix_cache.restorable_tokens`), or None. Memory is cleared afterwards."""
+    started = time.perf_counter()
+    text = llama.tokenize(TEXT, add_bos=False)
+    tokens = (text * (SLICE_END // len(text) + 1))[: SLICE_END + 1]
+    granule = None
+    with _SliceCheck(llama, tokens) as check:
+        whole = check.read(SLICE_START)
+        for g in GRANULES:
+            # The latest first: each read leaves the cells before its cut as read whole.
+            cuts = (SLICE_END - MIN_PASS_ROWS, SLICE_START + 3 * g, SLICE_START + g)
+            if all(np.array_equal(check.read(cut), whole) for cut in cuts):
+                granule = g
+                break
+            check.read(SLICE_START)  # the chunk whole again: a failed read left its cells
+    elapsed_ms = (time.perf_counter() - started) * 1000
+    log.info(
+        "slice check: restores may end every %s tokens inside a chunk (%.0f ms)",
+        granule,
+        elapsed_ms,
+    )
+    return granule
+
+
+class _SliceCheck:
+    """Sequence 0 holding `tokens` but the last, the chunk from SLICE_START read whole."""
+
+    def __init__(self, llama: Llama, tokens: list[int]) -> None:
+        self._llama, self._tokens = llama, tokens
+        self._mem = llama_cpp.llama_get_memory(llama.ctx)
+        vocab = llama_cpp.llama_model_get_vocab(llama.model)
+        self._n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        self._batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+
+    def __enter__(self) -> _SliceCheck:
+        with prompt_chunk_kernels():
+            self._decode(0, SLICE_START)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        llama_cpp.llama_memory_clear(self._mem, True)
+        llama_cpp.llama_batch_free(self._batch)
+
+    def read(self, cut: int) -> npt.NDArray[np.float32]:
+        """Cut the cells back to `cut`, read the chunk's rest in one pass as prefill does, then
+        the last token alone as the Conclave decodes it: its logits."""
+        llama_cpp.llama_memory_seq_rm(self._mem, 0, cut, -1)
+        with prompt_chunk_kernels():
+            self._decode(cut, SLICE_END)
+        self._decode(SLICE_END, SLICE_END + 1, logits=True)
+        pointer = llama_cpp.llama_get_logits_ith(self._llama.ctx, 0)
+        return np.ctypeslib.as_array(pointer, shape=(self._n_vocab,)).copy()
+
+    def _decode(self, start: int, end: int, logits: bool = False) -> None:
+        rows = [(self._tokens[p], p, 0) for p in range(start, end)]
+        fill_batch(self._batch, rows, logits)
+        if llama_cpp.llama_decode(self._llama.ctx, self._batch) != 0:
+            raise RuntimeError("a decode of the slice check failed")
+
+
+def remembered(
+    record: Path, key: str, check: Callable[[], T], valid: Callable[[object], bool]
+) -> T:
     """`check()`'s answer for `key`, computed once and kept in `record` (a JSON object of key
-    to answer). `key` must name everything the answer depends on. A record that cannot be read
-    or written only costs running the check again."""
+    to answer); a kept answer `valid` refuses is computed again. `key` must name everything
+    the answer depends on. A record that cannot be read or written only costs running the
+    check again."""
     known = read_json(record)
-    answer = known.get(key)
-    if isinstance(answer, bool):
-        log.info("row check: batched rows %s lone rows (%s)", _equal(answer), record)
-        return answer
+    if key in known and valid(known[key]):
+        log.info("%s: kept in %s", key, record)
+        return cast(T, known[key])
     answer = check()
     # Read again: another worker of this host may have kept an answer while this one checked.
     write_json(record, {**read_json(record), key: answer})
