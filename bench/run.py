@@ -23,6 +23,7 @@ from bench import (
     chunk_shape,
     cold_prefill,
     conclave,
+    edited_document,
     exam,
     extraction,
     first_read,
@@ -208,6 +209,13 @@ def _cold_prefill_section(redis_url: str, log_dir: Path, server: Path | None, qu
     return cold_prefill.section(settings, log_dir, server, rounds=1 if quick else 3)
 
 
+def _edited_document_section(
+    redis_url: str, log_dir: Path, server: Path | None, quick: bool
+) -> str:
+    settings = _settings(redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, n_threads=2)
+    return edited_document.section(settings, log_dir, server, rounds=1 if quick else 3)
+
+
 def _first_read_section(redis_url: str, log_dir: Path, server: Path | None, quick: bool) -> str:
     settings = _settings(redis_url, "qwen2.5-coder-0.5b", n_ctx=4096, n_threads=2)
     return first_read.section(settings, log_dir, server, rounds=1 if quick else 3)
@@ -295,6 +303,7 @@ def main() -> None:
             "conclave_sweep",
             "cold_prefill",
             "first_read",
+            "edited_document",
             "routing",
             "exam",
             "vocab_trim",
@@ -316,7 +325,7 @@ def main() -> None:
         "--peer-server",
         type=Path,
         help="llama.cpp's llama-server (make peer-server), for conclave, cold_prefill, "
-        "first_read and chat_document",
+        "first_read, edited_document and chat_document",
     )
     parser.add_argument(
         "--invariant-site",
@@ -368,6 +377,9 @@ def main() -> None:
             ],
             "first_read": lambda: [
                 _first_read_section(redis_url, log_dir, args.peer_server, args.quick)
+            ],
+            "edited_document": lambda: [
+                _edited_document_section(redis_url, log_dir, args.peer_server, args.quick)
             ],
             "routing": lambda: [_routing_section(redis_url, log_dir)],
             "exam": lambda: [_exam_section(redis_url, log_dir, args.exam_runs)],

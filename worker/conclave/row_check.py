@@ -147,7 +147,7 @@ def slice_granule(llama: Llama) -> int | None:
     text = llama.tokenize(TEXT, add_bos=False)
     tokens = (text * (SLICE_END // len(text) + 1))[: SLICE_END + 1]
     granule = None
-    with _SliceCheck(llama, tokens) as check:
+    with SliceCheck(llama, tokens) as check:
         whole = check.read(SLICE_START)
         for g in GRANULES:
             # The latest first: each read leaves the cells before its cut as read whole.
@@ -165,7 +165,7 @@ def slice_granule(llama: Llama) -> int | None:
     return granule
 
 
-class _SliceCheck:
+class SliceCheck:
     """Sequence 0 holding `tokens` but the last, the chunk from SLICE_START read whole."""
 
     def __init__(self, llama: Llama, tokens: list[int]) -> None:
@@ -175,7 +175,7 @@ class _SliceCheck:
         self._n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         self._batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
 
-    def __enter__(self) -> _SliceCheck:
+    def __enter__(self) -> SliceCheck:
         with prompt_chunk_kernels():
             self._decode(0, SLICE_START)
         return self
