@@ -24,7 +24,9 @@ from worker.conclave.row_check import (
     PAST_PADDED_WINDOW,
     KernelFacts,
     batched_rows_equal_lone,
+    granule_found,
     remembered,
+    rows_found,
     slice_granule,
 )
 from worker.kernels import build_stamp, exact_row_limit
@@ -85,6 +87,7 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
             _key("rows", *kernels, *shape),
             partial(batched_rows_equal_lone, llama, n_seq, long_cells),
             lambda kept: isinstance(kept, bool),
+            rows_found,
         )
         # Where a chunk may be cut depends on the kernels and the passes' splits alone.
         granule = remembered(
@@ -92,6 +95,7 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
             _key("slices", *kernels, f"batch={llama.n_batch},{llama.context_params.n_ubatch}"),
             partial(slice_granule, llama) if truncatable else lambda: None,
             lambda kept: kept is None or type(kept) is int,
+            granule_found,
         )
         return KernelFacts(rows, granule)
 

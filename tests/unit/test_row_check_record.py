@@ -31,10 +31,10 @@ def test_the_check_runs_once_per_key(tmp_path: Path) -> None:
     record = tmp_path / "row-checks.json"
     differ, equal, none = Check(False), Check(True), Check(None)
     for _ in range(2):
-        assert remembered(record, "rows:stock build", differ, a_bool) is False
-        assert remembered(record, "rows:row-invariant build", equal, a_bool) is True
+        assert remembered(record, "rows:stock build", differ, a_bool, str) is False
+        assert remembered(record, "rows:row-invariant build", equal, a_bool, str) is True
         # A None answer (no granule found) is kept like any other.
-        assert remembered(record, "slices:stock build", none, a_granule) is None
+        assert remembered(record, "slices:stock build", none, a_granule, str) is None
     assert (differ.runs, equal.runs, none.runs) == (1, 1, 1)
 
 
@@ -42,8 +42,8 @@ def test_a_damaged_record_only_costs_the_check(tmp_path: Path) -> None:
     record = tmp_path / "row-checks.json"
     record.write_bytes(b"\x00{not json")
     check = Check(4)
-    assert remembered(record, "key", check, a_granule) == 4
-    assert remembered(record, "key", check, a_granule) == 4
+    assert remembered(record, "key", check, a_granule, str) == 4
+    assert remembered(record, "key", check, a_granule, str) == 4
     assert check.runs == 1
 
 
@@ -52,5 +52,5 @@ def test_an_answer_of_another_shape_is_checked_again(tmp_path: Path, kept: str) 
     record = tmp_path / "row-checks.json"
     record.write_text(f'{{"key": {kept}}}')
     check = Check(8)
-    assert remembered(record, "key", check, a_granule) == 8
+    assert remembered(record, "key", check, a_granule, str) == 8
     assert check.runs == 1

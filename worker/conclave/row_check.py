@@ -135,7 +135,7 @@ def batched_rows_equal_lone(llama: Llama, n_seq: int, long_cells: int = 0) -> bo
         finally:
             llama_cpp.llama_memory_clear(mem, True)
     elapsed_ms = (time.perf_counter() - started) * 1000
-    log.info("row check: batched rows %s lone rows (%.0f ms)", _equal(equal), elapsed_ms)
+    log.info("%s (%.0f ms)", rows_found(equal), elapsed_ms)
     return equal
 
 
@@ -157,11 +157,7 @@ def slice_granule(llama: Llama) -> int | None:
                 break
             check.read(SLICE_START)  # the chunk whole again: a failed read left its cells
     elapsed_ms = (time.perf_counter() - started) * 1000
-    log.info(
-        "slice check: restores may end every %s tokens inside a chunk (%.0f ms)",
-        granule,
-        elapsed_ms,
-    )
+    log.info("%s (%.0f ms)", granule_found(granule), elapsed_ms)
     return granule
 
 
@@ -176,8 +172,12 @@ class SliceCheck:
         self._batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
 
     def __enter__(self) -> SliceCheck:
-        with prompt_chunk_kernels():
-            self._decode(0, SLICE_START)
+        try:
+            with prompt_chunk_kernels():
+                self._decode(0, SLICE_START)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *_exc: object) -> None:
@@ -202,21 +202,30 @@ class SliceCheck:
 
 
 def remembered(
-    record: Path, key: str, check: Callable[[], T], valid: Callable[[object], bool]
+    record: Path,
+    key: str,
+    check: Callable[[], T],
+    valid: Callable[[object], bool],
+    found: Callable[[T], str],
 ) -> T:
     """`check()`'s answer for `key`, computed once and kept in `record` (a JSON object of key
-    to answer); a kept answer `valid` refuses is computed again. `key` must name everything
-    the answer depends on. A record that cannot be read or written only costs running the
-    check again."""
+    to answer); a kept answer `valid` refuses is computed again, one it accepts is logged as
+    `found` says. `key` must name everything the answer depends on. A record that cannot be
+    read or written only costs running the check again."""
     known = read_json(record)
     if key in known and valid(known[key]):
-        log.info("%s: kept in %s", key, record)
-        return cast(T, known[key])
+        answer = cast(T, known[key])
+        log.info("%s (%s)", found(answer), record)
+        return answer
     answer = check()
     # Read again: another worker of this host may have kept an answer while this one checked.
     write_json(record, {**read_json(record), key: answer})
     return answer
 
 
-def _equal(equal: bool) -> str:
-    return "equal" if equal else "differ from"
+def rows_found(equal: bool) -> str:
+    return f"row check: batched rows {'equal' if equal else 'differ from'} lone rows"
+
+
+def granule_found(granule: int | None) -> str:
+    return f"slice check: restores may end every {granule} tokens inside a chunk"
