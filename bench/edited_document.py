@@ -53,11 +53,13 @@ def edited(text: str) -> str:
     return "\n".join(lines)
 
 
-async def _ask_both(url: str, text: str) -> Asked:
+async def _ask(url: str, text: str) -> Reply:
     async with httpx.AsyncClient(timeout=900) as client:
-        first = await stream_chat(client, url, QUESTION, MAX_TOKENS, system=text)
-        second = await stream_chat(client, url, QUESTION, MAX_TOKENS, system=edited(text))
-    return Asked(first, second)
+        return await stream_chat(client, url, QUESTION, MAX_TOKENS, system=text)
+
+
+async def _ask_both(url: str, text: str) -> Asked:
+    return Asked(await _ask(url, text), await _ask(url, edited(text)))
 
 
 def _first_change(settings: Settings, text: str) -> int:
@@ -91,7 +93,7 @@ def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int)
         if server is not None and server.exists():
             urls[PEER] = running.enter_context(llama_server(server, settings, log_dir))[0]
         for url in urls.values():  # load pages, nothing measured
-            asyncio.run(_ask_both(url, document(1, 4)))
+            asyncio.run(_ask(url, document(1, 4)))
         seed = 20_000
         for k in range(rounds):
             with ForeignCpu() as cpu:
