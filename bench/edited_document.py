@@ -114,7 +114,7 @@ def _render(asked: dict[str, list[Asked]], foreign: list[float], change: int) ->
         + f" {len(foreign)} rounds; medians, a ratio's median and range over the rounds.",
         "",
         "| system | prompt tokens | first changed token | tokens reused (edited read) "
-        "| TTFT s, first read | TTFT s, edited read | edited read vs the peer's |",
+        "| TTFT s, first read | TTFT s, edited read | edited read, the peer's TTFT over granary's |",
         "|---|---|---|---|---|---|---|",
     ]
     peer = [a.edited.ttft for a in asked.get(PEER, [])]
