@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from bench.conclave import Reply, document, llama_server, stream_chat
+from bench.paired import no_peer_line
 from shared.settings import Settings
 from tests.harness import Stack
 
@@ -135,5 +136,5 @@ def _render(systems: dict[str, list[Run]]) -> str:
                 f"{max(ttfts):.2f} | {cold_s / median:.0f}× | {verdict} |"
             )
     if PEER not in systems:
-        lines += ["", "llama-server was not built (`make peer-server`): no peer rows."]
+        lines += ["", no_peer_line("rows")]
     return "\n".join(lines) + "\n"

@@ -31,7 +31,14 @@ import llama_cpp
 from llama_cpp import Llama
 
 from bench.conclave import Reply, document, llama_server, stream_chat
-from bench.paired import ForeignCpu, in_turn, per_round, ratio_summary, shares_text
+from bench.paired import (
+    ForeignCpu,
+    foreign_line,
+    in_turn,
+    no_peer_line,
+    per_round,
+    ratio_summary,
+)
 from shared.llm import render_prompt, tokenize
 from shared.schemas import JobRequest
 from shared.settings import Settings
@@ -216,10 +223,10 @@ def _render(
                 f"| {size} | {name} | {tokens[(name, size)]} | {median:.2f} | {over_alone}"
                 f" | {ratio} | {verdict} |"
             )
-    lines += ["", f"CPU the host spent on anything else, per round: {shares_text(foreign)}."]
+    lines += ["", foreign_line(foreign)]
     lines += ["", _where_the_time_goes(ttfts)]
     if PEER not in systems:
-        lines += ["", "llama-server was not built (`make peer-server`): no peer column."]
+        lines += ["", no_peer_line("column")]
     return "\n".join(lines) + "\n"
 
 

@@ -33,7 +33,14 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
-from bench.paired import ForeignCpu, in_turn, per_round, ratio_summary, shares_text
+from bench.paired import (
+    ForeignCpu,
+    foreign_line,
+    in_turn,
+    no_peer_line,
+    per_round,
+    ratio_summary,
+)
 from shared.models import resolve_model
 from shared.settings import Settings
 from tests.harness import Stack, _get_ok, _wait_for, free_port
@@ -395,7 +402,7 @@ def _render(
             + " |"
         )
     if not peer:
-        lines += ["", "llama-server was not built (`make peer-server`): no peer column."]
+        lines += ["", no_peer_line("column")]
     lines += [
         "",
         "A ~3,000-token document question, and four short chats arriving 1 s later "
@@ -420,7 +427,7 @@ def _render(
             f"{_median(runs, lambda m: m.long_ttft / m.long_alone):.2f}× | "
             f"{max(m.peak_rss_mb for m in runs)} |"
         )
-    lines += ["", f"CPU the host spent on anything else, per round: {shares_text(foreign)}."]
+    lines += ["", foreign_line(foreign)]
     return "\n".join(lines) + "\n"
 
 

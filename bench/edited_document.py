@@ -24,7 +24,14 @@ from pathlib import Path
 import httpx
 
 from bench.conclave import Reply, document, llama_server, stream_chat
-from bench.paired import ForeignCpu, in_turn, per_round, ratio_summary, shares_text
+from bench.paired import (
+    ForeignCpu,
+    foreign_line,
+    in_turn,
+    no_peer_line,
+    per_round,
+    ratio_summary,
+)
 from shared.llm import load_llama, quiet_native_logs, render_prompt, tokenize
 from shared.prefix_cache import common_prefix_len
 from shared.schemas import JobRequest
@@ -130,7 +137,7 @@ def _render(asked: dict[str, list[Asked]], foreign: list[float], change: int) ->
             f"| {statistics.median(a.first.ttft for a in runs):.2f} "
             f"| {statistics.median(a.edited.ttft for a in runs):.2f} | {vs} |"
         )
-    lines += ["", f"CPU the host spent on anything else, per round: {shares_text(foreign)}."]
+    lines += ["", foreign_line(foreign)]
     if not peer:
-        lines += ["", "llama-server was not built (`make peer-server`): no peer rows."]
+        lines += ["", no_peer_line("rows")]
     return "\n".join(lines) + "\n"

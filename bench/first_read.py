@@ -27,7 +27,14 @@ from pathlib import Path
 import httpx
 
 from bench.conclave import Reply, document, llama_server, stream_chat
-from bench.paired import ForeignCpu, in_turn, per_round, ratio_summary, shares_text
+from bench.paired import (
+    ForeignCpu,
+    foreign_line,
+    in_turn,
+    no_peer_line,
+    per_round,
+    ratio_summary,
+)
 from shared.settings import Settings
 from tests.harness import Stack
 
@@ -193,9 +200,9 @@ def _render(timed: dict[tuple[str, str], list[Timed]], foreign: list[float]) -> 
             f"| {client} | {name} | {statistics.median(seconds):.1f} | {reused} | {same} | "
             f"{best} | {targets} |"
         )
-    lines += ["", f"CPU the host spent on anything else, per round: {shares_text(foreign)}."]
+    lines += ["", foreign_line(foreign)]
     if not peer_rounds:
-        lines += ["", "llama-server was not built (`make peer-server`): no peer rows."]
+        lines += ["", no_peer_line("rows")]
     return "\n".join(lines) + "\n"
 
 

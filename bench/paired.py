@@ -76,6 +76,16 @@ def shares_text(shares: Sequence[float]) -> str:
     return ", ".join(f"{s:.0%}" for s in shares)
 
 
+def foreign_line(shares: Sequence[float]) -> str:
+    """The line a peer comparison ends with: what else the host ran, round by round."""
+    return f"CPU the host spent on anything else, per round: {shares_text(shares)}."
+
+
+def no_peer_line(what: str) -> str:
+    """Said in place of the peer's `what` (rows, a column) when llama-server was not built."""
+    return f"llama-server was not built (`make peer-server`): no peer {what}."
+
+
 def _host_busy_s() -> float:
     """CPU seconds the host spent busy, all cores, from /proc/stat's first line: user nice
     system idle iowait irq softirq steal (guest time is inside user)."""

@@ -27,7 +27,12 @@ from llama_cpp import Llama
 from bench import exam
 from bench.completions import clients, continued, served, together_rate
 from bench.conclave import document
-from bench.paired import ForeignCpu, per_round, ratio_summary, shares_text
+from bench.paired import (
+    ForeignCpu,
+    foreign_line,
+    per_round,
+    ratio_summary,
+)
 from shared.llm import quiet_native_logs
 from shared.models import resolve_model
 from shared.settings import Settings
@@ -158,7 +163,7 @@ def section(settings: Settings, log_dir: Path, rounds: int, with_exam: bool = Tr
         "",
         *notes,
         "",
-        f"CPU the host spent on anything else, per round: {shares_text(shares)}.",
+        foreign_line(shares),
     ]
     if with_exam:
         lines += ["", _exam(settings, log_dir, out_dir)]
