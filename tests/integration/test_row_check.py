@@ -13,7 +13,12 @@ from llama_cpp import Llama
 
 from shared.settings import Settings
 from tests.conftest import DATA_DIR
-from worker.conclave.row_check import PAST_PADDED_WINDOW, batched_rows_equal_lone, row_counts
+from worker.conclave.row_check import (
+    PAST_PADDED_WINDOW,
+    batched_rows_equal_lone,
+    row_counts,
+    slice_granule,
+)
 from worker.kernels import exact_rows, prompt_chunk_kernels
 from worker.main import build_conclave
 from worker.model import load_model
@@ -120,3 +125,13 @@ def test_the_check_covers_where_stock_kernels_switch_and_the_widest_step() -> No
     assert row_counts(12) == [2, 3, 4, 8, 12]
     assert row_counts(3) == [2, 3]
     assert row_counts(1) == []
+
+
+def test_a_batch_too_small_for_the_slice_checks_chunk_finds_no_granule() -> None:
+    # Prompt chunks of 64 tokens at most: no chunk to cut back inside, and no check to fail.
+    settings = Settings(model="smollm2-135m", data_dir=DATA_DIR, n_ctx=512, n_batch=64)
+    llama = load_model(settings, 1)
+    try:
+        assert slice_granule(llama) is None
+    finally:
+        llama.close()

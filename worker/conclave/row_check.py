@@ -143,6 +143,8 @@ def slice_granule(llama: Llama) -> int | None:
     """The smallest of GRANULES at every multiple of which, from a chunk's start, the chunk's
     cells may be cut back and the rest read again with the logits after the prompt unchanged
     (`shared.prefix_cache.restorable_tokens`), or None. Memory is cleared afterwards."""
+    if min(llama.n_batch, llama.context_params.n_ubatch) < SLICE_END - SLICE_START:
+        return None  # the check's chunk would not be read in one pass, nor would prompt chunks
     started = time.perf_counter()
     text = llama.tokenize(TEXT, add_bos=False)
     tokens = (text * (SLICE_END // len(text) + 1))[: SLICE_END + 1]
