@@ -8,7 +8,8 @@ BIN := $(VENV)/bin
 # row-count thresholds moved, see there) once per CPU, Python and build rule, outside git.
 LLAMA_VERSION := 0.3.36
 LLAMA_BUILD := deploy/build-llama-wheel.sh
-LLAMA_BUILD_FILES := $(LLAMA_BUILD) deploy/llama-flash-attn-tiles.patch deploy/llama-kquant-rows.patch
+LLAMA_BUILD_FILES := $(LLAMA_BUILD) deploy/llama-flash-attn-tiles.patch deploy/llama-kquant-rows.patch \
+  deploy/llama-prompt-rows.patch
 ARCH := $(shell uname -m)
 CPU_ID := $(shell (grep -m1 -E '^(flags|Features)' /proc/cpuinfo; $(PYTHON) -V) | sha1sum | cut -c1-10)
 WHEEL_DIR ?= $(HOME)/.cache/granary/wheels/$(ARCH)-$(CPU_ID)

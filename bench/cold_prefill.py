@@ -147,7 +147,7 @@ def _in_process(settings: Settings) -> Iterator[Callable[[bool], Ask]]:
 
 
 def _chunk_ends(llama: Llama, tokens: list[int], block: int, conclave: bool) -> list[int]:
-    """Where each pass of a cold prefill ends (see Conclave._prefill_chunk)."""
+    """Where each pass of a cold prefill ends (see Conclave._read_chunks)."""
     if not conclave:
         return [*range(block, len(tokens), block), len(tokens)]
     last = len(tokens) - 1  # decoded alone, as the first decode step

@@ -76,11 +76,12 @@ struct ggml_compute_params {"
 
 bool llamafile_sgemm("
   # Flash attention: a lone query row of one sequence past 512 cells splits its cells among
-  # the threads and merges their partial sums, a row beside other sequences does not. Decode
-  # steps never take that split; the patch below splits every decode row at the same fixed
-  # segments instead, so a row's sums run in one order whatever is decoded beside it.
+  # the threads and merges their partial sums, a row beside other sequences does not. No pass
+  # takes that split: the patch below splits every decode row at the same fixed segments
+  # instead, and reads a prompt chunk's rows in tiles, so a row's sums run in one order
+  # whatever shares its pass.
   edit "$cpu/ops.cpp" 'const bool use_split_kv_path = !use_ref &&' \
-    "const bool use_split_kv_path = $rows == 0 && !use_ref &&"
+    "const bool use_split_kv_path = false && !use_ref &&"
   # Flash attention (deploy/llama-flash-attn-tiles.patch) takes its tiled path for every pass,
   # not from 64 query rows: below, the sdist walks every cached cell one row at a time, with an
   # exp and an fp16 multiply-add per cell (after a 3,000-token document a decode step cost 2.1
@@ -100,9 +101,14 @@ bool llamafile_sgemm("
   edit "$cpu/repack.cpp" 'i11 < ne11 - ne11 % 4;' "i11 < (ne11 >= $rows ? ne11 - ne11 % 4 : 0);"
   edit "$cpu/repack.cpp" 'i11_processed = ne11 - ne11 % 4;' \
     "i11_processed = ne11 >= $rows ? ne11 - ne11 % 4 : 0;"
-  edit "$cpu/tiled/tiled.cpp" 'return rows >= 8 ||' "return (rows >= 8 && rows >= $rows) ||"
+  # The tiled K-quant path: from ROWS rows in a decode step, for any row count in a prompt
+  # chunk's pass (its arithmetic per row is not vec_dot's).
+  edit "$cpu/tiled/tiled.cpp" 'return rows >= 8 ||' "return $rows == 0 || (rows >= 8 && rows >= $rows) ||"
   edit "$cpu/ggml-cpu.c" 'if ((nr0 % 2 != 0) || (ne11 % 2 != 0)' \
     "if ((ne11 < $rows) || (nr0 % 2 != 0) || (ne11 % 2 != 0)"
+  # A prompt chunk's pass: repacked weights' last rows (past the last group of 4) through
+  # gemm as well, padded (deploy/llama-prompt-rows.patch).
+  patch -p1 -s -d "$src/vendor/llama.cpp" <"$(dirname "$0")/llama-prompt-rows.patch"
 elif [ "$VARIANT" = batch-invariant ]; then
   extra=-DGGML_LLAMAFILE=OFF
 elif [ "$VARIANT" != stock ]; then

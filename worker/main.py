@@ -25,8 +25,10 @@ from worker.conclave.row_check import (
     KernelFacts,
     batched_rows_equal_lone,
     granule_found,
+    prompt_pieces_share_passes,
     remembered,
     rows_found,
+    shared_found,
     slice_granule,
 )
 from worker.kernels import build_stamp, exact_row_limit
@@ -97,7 +99,14 @@ def build_conclave(settings: Settings, rows_invariant: bool | None = None) -> Co
             lambda kept: kept is None or type(kept) is int,
             granule_found,
         )
-        return KernelFacts(rows, granule)
+        shared = remembered(
+            record,
+            _key("shared", *kernels, f"sequences={n_seq}"),
+            partial(prompt_pieces_share_passes, llama),
+            lambda kept: isinstance(kept, bool),
+            shared_found,
+        )
+        return KernelFacts(rows, granule, shared)
 
     conclave = Conclave(
         llama,

@@ -105,9 +105,13 @@ def test_the_wheel_make_install_builds_decodes_rows_together_as_alone_without_re
     engine: ConclaveEngine, lone_outputs: list[list[int]]
 ) -> None:
     assert engine.conclave.rows_invariant, "the row check found batched rows differing"
+    engine.forget()  # the lone runs' cells: the prompts are read again, together
+    shared = engine.conclave.shared_prompt_passes
     together = run(engine, chat_prompts(engine))
     assert [out for out, _ in together] == lone_outputs
     assert all(ended.replays == 0 and not ended.drifted for _, ended in together)
+    # The chats' prompts, arriving together, were read in passes they shared.
+    assert engine.conclave.shared_prompt_passes > shared
 
 
 def test_near_ties_replay_at_most_once_where_rows_differ(

@@ -7,6 +7,9 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import llama_cpp
+import numpy as np
+import numpy.typing as npt
 import orjson
 import pytest
 from llama_cpp import Llama
@@ -16,9 +19,11 @@ from tests.conftest import DATA_DIR
 from worker.conclave.row_check import (
     PAST_PADDED_WINDOW,
     batched_rows_equal_lone,
+    prompt_pieces_share_passes,
     row_counts,
     slice_granule,
 )
+from worker.decode_batch import fill_batch, llama_batch
 from worker.kernels import exact_rows, prompt_chunk_kernels
 from worker.main import build_conclave
 from worker.model import load_model
@@ -78,17 +83,49 @@ def test_a_step_of_32_rows_or_more_takes_the_batch_kernels_and_the_check_sees_it
 
 
 @pytest.mark.qwen
-def test_prompt_chunks_take_the_sdists_kernels_and_decode_steps_the_exact_ones_again() -> None:
-    # The switch reaches the kernels: inside it, a step of 8 rows takes the sdist's batch path
-    # (Qwen's weights then give rows that differ from lone ones); after it, the exact path.
+def test_prompt_chunks_take_the_batch_kernels_and_decode_steps_the_exact_ones_again() -> None:
+    # The switch reaches the kernels: inside it a lone row takes the batch path (Qwen's Q4_K
+    # weights through gemm, padded: deploy/llama-prompt-rows.patch), whose logits differ from
+    # the one-row path's; every row count computes each row alike there too. After it, the
+    # exact path.
     threshold = exact_rows()
     assert threshold is not None, "the installed wheel was built without granary's switch"
     assert threshold.value == 32
     with loaded("qwen2.5-coder-0.5b", 8) as llama:
+        decode_step = lone_logits(llama)
         with prompt_chunk_kernels():
-            assert not batched_rows_equal_lone(llama, 8)
+            assert not np.array_equal(lone_logits(llama), decode_step)
+            assert batched_rows_equal_lone(llama, 8)
         assert threshold.value == 32
+        assert np.array_equal(lone_logits(llama), decode_step)
         assert batched_rows_equal_lone(llama, 8)
+
+
+def lone_logits(llama: Llama) -> npt.NDArray[np.float32]:
+    """A prompt's last token decoded alone after the rest is read as a chunk: its logits.
+    Memory is cleared afterwards."""
+    tokens = llama.tokenize(b"Granary keeps what it has read, and reads it once.", add_bos=False)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(llama.model))
+    mem = llama_cpp.llama_get_memory(llama.ctx)
+    with llama_batch(len(tokens)) as batch:
+        try:
+            fill_batch(batch, [(t, p, 0) for p, t in enumerate(tokens[:-1])], logits=False)
+            with prompt_chunk_kernels():
+                assert llama_cpp.llama_decode(llama.ctx, batch) == 0
+            fill_batch(batch, [(tokens[-1], len(tokens) - 1, 0)], logits=True)
+            assert llama_cpp.llama_decode(llama.ctx, batch) == 0
+            pointer = llama_cpp.llama_get_logits_ith(llama.ctx, 0)
+            return np.ctypeslib.as_array(pointer, shape=(n_vocab,)).copy()
+        finally:
+            llama_cpp.llama_memory_clear(mem, True)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_prompt_pieces_of_several_sequences_read_in_one_pass_as_alone(model: str) -> None:
+    with loaded(model, 3) as llama:
+        assert prompt_pieces_share_passes(llama)
+    with loaded(model, 2) as llama:  # too few sequences for the check's pieces
+        assert not prompt_pieces_share_passes(llama)
 
 
 def test_with_flash_attention_rows_beside_a_sequence_past_the_padded_window_equal_lone_rows(
@@ -117,6 +154,7 @@ def test_with_flash_attention_rows_beside_a_sequence_past_the_padded_window_equa
     assert {key.split(":")[0]: type(answer) for key, answer in kept.items()} == {
         "rows": bool,
         "slices": int,
+        "shared": bool,
     }
     assert [answer for key, answer in kept.items() if key.startswith("rows:")] == [True]
 

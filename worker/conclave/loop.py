@@ -185,6 +185,9 @@ class Conclave:
         self._cut_snapshots = truncatable
         self._exact = exact
         self.rows_invariant = False
+        # Whether the chunks a turn reads share one pass (row_check.prompt_pieces_share_passes).
+        self._shared_prompt_passes = False
+        self.shared_prompt_passes = 0  # passes that read chunks of several streams
         self._granule: int | None = None  # `_use_granule`
         # What decode passes cost by their rows, and the most rows one may have and stay exact.
         self._pass_cost = PassCost()
@@ -301,6 +304,7 @@ class Conclave:
             started.put(exc)
             return
         self.rows_invariant = facts.rows_invariant
+        self._shared_prompt_passes = facts.shared_prompt_passes
         self._use_granule(facts.granule)
         started.put(None)
         while True:
@@ -597,12 +601,21 @@ class Conclave:
             return False
         for key, count in plan.passed_over.items():
             prefilling[key].passed_over = count
-        for key in plan.keys:
-            chosen = prefilling[key]
+        chosen = [prefilling[key] for key in plan.keys]
+        # Short chunks of several streams (an extraction's question tails) in one pass where
+        # each row reads as alone: one pass costs less than a pass of few rows each.
+        for streams in [chosen] if self._shared_prompt_passes else [[s] for s in chosen]:
             try:
-                self._prefill_chunk(chosen)
+                ends = self._read_chunks(streams)
             except Exception as exc:
-                self._fail(chosen, exc)
+                for stream in streams:
+                    self._fail(stream, exc)
+                continue
+            for stream, end in ends:
+                try:
+                    self._chunk_read(stream, end)
+                except Exception as exc:
+                    self._fail(stream, exc)
         return True
 
     def _prefilling(self, stream: _Stream) -> Prefilling:
@@ -615,17 +628,28 @@ class Conclave:
         remaining = request.prefill_end - stream.pos
         return Prefilling(stream.arrival, priority, remaining, stream.passed_over, end - stream.pos)
 
-    def _prefill_chunk(self, stream: _Stream) -> None:
-        request, position = stream.request, stream.pos
-        end = chunk_end(position, request.prefill_end, self._block_tokens, request.breaks)
-        # Split at n_batch as Llama.eval does, so every cell matches a lone run's.
+    def _read_chunks(self, streams: list[_Stream]) -> list[tuple[_Stream, int]]:
+        """Decode the next canonical chunk of each of `streams`, in increasing sequence order
+        (one run: llama.cpp makes a pass per run, memory.py), split at n_batch as Llama.eval
+        does; each stream with its chunk's end."""
+        ends = [
+            (s, chunk_end(s.pos, s.request.prefill_end, self._block_tokens, s.request.breaks))
+            for s in sorted(streams, key=lambda s: s.seq)
+        ]
+        rows = [(s.request.tokens[p], p, s.seq) for s, end in ends for p in range(s.pos, end)]
         started = time.perf_counter()
         with prompt_chunk_kernels():
-            for start in range(position, end, self.llama.n_batch):
-                stop = min(start + self.llama.n_batch, end)
-                rows = [(request.tokens[p], p, stream.seq) for p in range(start, stop)]
-                self._decode(rows, logits=False)
-        self.costs.prefilled(end - position, time.perf_counter() - started)
+            for start in range(0, len(rows), self.llama.n_batch):
+                self._decode(rows[start : start + self.llama.n_batch], logits=False)
+        seconds = time.perf_counter() - started
+        self.shared_prompt_passes += len(streams) > 1
+        for stream, end in ends:
+            self.costs.prefilled(end - stream.pos, seconds * (end - stream.pos) / len(rows))
+        return ends
+
+    def _chunk_read(self, stream: _Stream, end: int) -> None:
+        """`stream`'s cells now reach `end`: what it holds, its snapshot there, its next state."""
+        request, position = stream.request, stream.pos
         assert stream.resident is not None
         stream.resident.tokens.extend(request.tokens[position:end])
         stream.resident.prefilled = stream.pos = end

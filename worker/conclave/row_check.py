@@ -27,13 +27,21 @@ splits every decode row's window at the same fixed segments, alone or not
 A second check, `slice_granule`, asks where a restore may end inside a prompt chunk: the
 chunk read whole, its cells then cut back to a point inside it and the rest read again, as a
 restore from memory or disk and the prefill after it do; the logits after the prompt must be
-the whole read's. A pass's rows are grouped from its first and a leftover row past the last
-whole group takes another kernel, so the points tried are multiples of a granule from the
-chunk's start; the rest read is MIN_PASS_ROWS long at the least, as the restores are.
+the whole read's. Where a pass's rows are grouped from its first and a leftover row past the
+last whole group takes another kernel (the sdist's repacked weights), the points that hold are
+multiples of a granule from the chunk's start; the rest read is MIN_PASS_ROWS long at the
+least, as the restores are. The wheel `make install` builds pads a prompt pass's leftover rows
+into a group (deploy/llama-prompt-rows.patch): a granule of 1.
+
+A third, `shared_prompt_passes`, asks whether prompt pieces of several sequences may share one
+pass: each piece's last logits read together must be those it gets read alone. llama.cpp cuts
+such a pass by sequence (`split_equal`), so pieces of unequal lengths, one of a single row,
+are read in passes of several shapes.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -63,7 +71,7 @@ PAST_PADDED_WINDOW = 260
 # The granules `slice_granule` tries, smallest first. Its chunk starts at an odd position, as
 # one after a prompt's break may, and is a whole number of the largest granule longer than
 # MIN_PASS_ROWS, so its last cut leaves exactly that many rows.
-GRANULES = (4, 8, 16, 32)
+GRANULES = (1, 4, 8, 16, 32)
 SLICE_START = 37
 SLICE_END = SLICE_START + MIN_PASS_ROWS + 4 * GRANULES[-1]
 
@@ -74,6 +82,7 @@ class KernelFacts:
 
     rows_invariant: bool  # `batched_rows_equal_lone`
     granule: int | None = None  # `slice_granule`
+    shared_prompt_passes: bool = False  # `prompt_pieces_share_passes`
 
 
 def row_counts(n_seq: int) -> list[int]:
@@ -203,6 +212,67 @@ class SliceCheck:
             raise RuntimeError("a decode of the slice check failed")
 
 
+# `prompt_pieces_share_passes`: each sequence's cells before its piece, and the piece's rows.
+SHARED_PIECES = ((7, 13), (3, 1), (11, 6))
+
+Logits = npt.NDArray[np.float32]
+
+
+def prompt_pieces_share_passes(llama: Llama) -> bool:
+    """Prompt pieces of SHARED_PIECES' sequences read in one call against each read alone, by
+    the logits of each piece's last row; False where the context has too few sequences. Memory
+    is cleared afterwards."""
+    if llama.context_params.n_seq_max < len(SHARED_PIECES):
+        return False
+    started = time.perf_counter()
+    text = llama.tokenize(TEXT, add_bos=False)
+
+    def rows(seq: int, start: int, end: int) -> list[tuple[int, int, int]]:
+        return [(text[(seq + p) % len(text)], p, seq) for p in range(start, end)]
+
+    before = [r for seq, (cells, _n) in enumerate(SHARED_PIECES) for r in rows(seq, 0, cells)]
+    pieces = [rows(seq, cells, cells + n) for seq, (cells, n) in enumerate(SHARED_PIECES)]
+    mem = llama_cpp.llama_get_memory(llama.ctx)
+    with llama_batch(sum(cells + n for cells, n in SHARED_PIECES)) as batch:
+        try:
+            _read(llama, batch, before)
+            alone = []
+            for piece in pieces:
+                alone += _read(llama, batch, piece, [len(piece) - 1])
+                for seq, (cells, _n) in enumerate(SHARED_PIECES):
+                    llama_cpp.llama_memory_seq_rm(mem, seq, cells, -1)
+            ends = [end - 1 for end in itertools.accumulate(len(p) for p in pieces)]
+            together = _read(llama, batch, [r for piece in pieces for r in piece], ends)
+            equal = all(np.array_equal(a, b) for a, b in zip(alone, together, strict=True))
+        finally:
+            llama_cpp.llama_memory_clear(mem, True)
+    elapsed_ms = (time.perf_counter() - started) * 1000
+    log.info("%s (%.0f ms)", shared_found(equal), elapsed_ms)
+    return equal
+
+
+def _read(
+    llama: Llama,
+    batch: llama_cpp.llama_batch,
+    rows: list[tuple[int, int, int]],
+    ends: tuple[int, ...] | list[int] = (),
+) -> list[Logits]:
+    """Decode `rows` as a prompt chunk is; the logits of the rows at `ends`."""
+    fill_batch(batch, rows, logits=False)
+    for end in ends:
+        batch.logits[end] = True
+    with prompt_chunk_kernels():
+        if llama_cpp.llama_decode(llama.ctx, batch) != 0:
+            raise RuntimeError("a decode of the shared pass check failed")
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(llama.model))
+    return [
+        np.ctypeslib.as_array(
+            llama_cpp.llama_get_logits_ith(llama.ctx, end), shape=(n_vocab,)
+        ).copy()
+        for end in ends
+    ]
+
+
 def remembered(
     record: Path,
     key: str,
@@ -231,3 +301,8 @@ def rows_found(equal: bool) -> str:
 
 def granule_found(granule: int | None) -> str:
     return f"slice check: restores may end every {granule} tokens inside a chunk"
+
+
+def shared_found(equal: bool) -> str:
+    together = "share passes" if equal else "are read one pass each"
+    return f"shared pass check: prompt pieces of several sequences {together}"
