@@ -1,9 +1,10 @@
-"""A prompt chunk's kernels: what a short chunk costs on the exact kernels and on the sdist's.
+"""A prompt chunk's kernels: what a short chunk costs on the exact kernels and on the batch ones.
 
 The wheel `make install` builds takes llama.cpp's batch kernels only from 32 rows, so a decode
 step of fewer rows is exact (worker/kernels.py). A prompt chunk of fewer tokens would then be
 read one row at a time too: a question's tail after a restored document, the last piece of a
-prompt past its last 256-token block. granary switches those to the sdist's own thresholds.
+prompt past its last 256-token block. granary reads those with the batch kernels at any row
+count (deploy/llama-prompt-rows.patch), so short chunks of several streams can share a pass.
 Here, after a 700-token prefix, a tail chunk of n tokens is decoded with no logits (as granary
 prefills), on both settings of the switch, interleaved, in one process; medians of 15.
 """
@@ -90,11 +91,14 @@ HEADER = """## A prompt chunk's kernels
 The wheel `make install` builds takes llama.cpp's batch kernels only from 32 rows, so a decode
 step of fewer rows computes each row as it would alone (what lets the Conclave batch jobs
 exactly). A prompt chunk needs no such thing: its values depend on the chunk alone, the same in
-every path (canonical chunks). So granary reads prompt chunks with the sdist's own row
-thresholds (`worker/kernels.py`). After a 700-token prefix, a chunk of n tokens is decoded
-without logits, as granary prefills, with the exact kernels and with the prompt-chunk kernels,
-interleaved (`bench/prompt_kernels.py`, medians of 15, `n_threads` as configured). Chunks of 32
-tokens and more take the batch kernels either way.
+every path (canonical chunks). So granary reads prompt chunks with the batch kernels at any row
+count (`worker/kernels.py`; repacked weights' rows past the last group of 4 padded into one, the
+tiled K-quant path from one row): each row then reads alike whatever shares its pass, and an
+extraction's question tails share one. After a 700-token prefix, a chunk of n tokens is
+decoded without logits, as granary prefills, with the exact kernels and with the prompt-chunk
+kernels, interleaved (`bench/prompt_kernels.py`, medians of 15, `n_threads` as configured).
+Chunks of 32 tokens and more take the batch kernels either way; a ratio above 1 is what a
+lone short chunk pays for sharing.
 
 | model | chunk tokens | exact kernels ms | prompt-chunk kernels ms | ratio | prompt-chunk tok/s |
 |---|---|---|---|---|---|

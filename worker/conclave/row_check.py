@@ -41,10 +41,11 @@ are read in passes of several shapes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar, cast
@@ -75,6 +76,8 @@ GRANULES = (1, 4, 8, 16, 32)
 SLICE_START = 37
 SLICE_END = SLICE_START + MIN_PASS_ROWS + 4 * GRANULES[-1]
 
+Logits = npt.NDArray[np.float32]
+
 
 @dataclass(frozen=True, slots=True)
 class KernelFacts:
@@ -104,19 +107,8 @@ def batched_rows_equal_lone(llama: Llama, n_seq: int, long_cells: int = 0) -> bo
     # Each sequence's next row: its token and position.
     rows = [(tokens[seq % len(tokens)], lengths[seq], seq) for seq in range(n_seq)]
     mem = llama_cpp.llama_get_memory(llama.ctx)
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(llama.model))
     capacity = max(llama.n_batch, n_seq)
     with llama_batch(capacity) as batch:
-
-        def decode(pieces: list[tuple[int, int, int]], logits: bool) -> None:
-            for start in range(0, len(pieces), capacity):
-                fill_batch(batch, pieces[start : start + capacity], logits)
-                if llama_cpp.llama_decode(llama.ctx, batch) != 0:
-                    raise RuntimeError("a decode of the row check failed")
-
-        def logits(row: int) -> npt.NDArray[np.float32]:
-            pointer = llama_cpp.llama_get_logits_ith(llama.ctx, row)
-            return np.ctypeslib.as_array(pointer, shape=(n_vocab,)).copy()
 
         def drop_rows() -> None:
             for _token, pos, seq in rows:
@@ -124,19 +116,19 @@ def batched_rows_equal_lone(llama: Llama, n_seq: int, long_cells: int = 0) -> bo
 
         try:
             # Every sequence's cells in one prefill: batched and lone rows read the same cells.
-            decode(
-                [(tokens[p % len(tokens)], p, s) for s, n in enumerate(lengths) for p in range(n)],
-                logits=False,
-            )
+            cells = [
+                (tokens[p % len(tokens)], p, s) for s, n in enumerate(lengths) for p in range(n)
+            ]
+            for start in range(0, len(cells), capacity):
+                _read(llama, batch, cells[start : start + capacity], prompt=False)
             alone = []
             for row in rows:
-                decode([row], logits=True)
-                alone.append(logits(0))
+                alone += _read(llama, batch, [row], [0], prompt=False)
                 drop_rows()
             equal = True
             for count in counts:
-                decode(rows[:count], logits=True)
-                equal = all(np.array_equal(logits(i), alone[i]) for i in range(count))
+                together = _read(llama, batch, rows[:count], range(count), prompt=False)
+                equal = all(map(np.array_equal, together, alone[:count]))
                 drop_rows()
                 if not equal:
                     log.info("a step of %d rows differs from its rows decoded alone", count)
@@ -178,14 +170,11 @@ class SliceCheck:
     def __init__(self, llama: Llama, tokens: list[int]) -> None:
         self._llama, self._tokens = llama, tokens
         self._mem = llama_cpp.llama_get_memory(llama.ctx)
-        vocab = llama_cpp.llama_model_get_vocab(llama.model)
-        self._n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         self._batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
 
     def __enter__(self) -> SliceCheck:
         try:
-            with prompt_chunk_kernels():
-                self._decode(0, SLICE_START)
+            _read(self._llama, self._batch, self._rows(0, SLICE_START))
         except BaseException:
             self.__exit__()
             raise
@@ -195,27 +184,20 @@ class SliceCheck:
         llama_cpp.llama_memory_clear(self._mem, True)
         llama_cpp.llama_batch_free(self._batch)
 
-    def read(self, cut: int) -> npt.NDArray[np.float32]:
+    def read(self, cut: int) -> Logits:
         """Cut the cells back to `cut`, read the chunk's rest in one pass as prefill does, then
         the last token alone as the Conclave decodes it: its logits."""
         llama_cpp.llama_memory_seq_rm(self._mem, 0, cut, -1)
-        with prompt_chunk_kernels():
-            self._decode(cut, SLICE_END)
-        self._decode(SLICE_END, SLICE_END + 1, logits=True)
-        pointer = llama_cpp.llama_get_logits_ith(self._llama.ctx, 0)
-        return np.ctypeslib.as_array(pointer, shape=(self._n_vocab,)).copy()
+        _read(self._llama, self._batch, self._rows(cut, SLICE_END))
+        last = self._rows(SLICE_END, SLICE_END + 1)
+        return _read(self._llama, self._batch, last, [0], prompt=False)[0]
 
-    def _decode(self, start: int, end: int, logits: bool = False) -> None:
-        rows = [(self._tokens[p], p, 0) for p in range(start, end)]
-        fill_batch(self._batch, rows, logits)
-        if llama_cpp.llama_decode(self._llama.ctx, self._batch) != 0:
-            raise RuntimeError("a decode of the slice check failed")
+    def _rows(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        return [(self._tokens[p], p, 0) for p in range(start, end)]
 
 
 # `prompt_pieces_share_passes`: each sequence's cells before its piece, and the piece's rows.
 SHARED_PIECES = ((7, 13), (3, 1), (11, 6))
-
-Logits = npt.NDArray[np.float32]
 
 
 def prompt_pieces_share_passes(llama: Llama) -> bool:
@@ -255,15 +237,19 @@ def _read(
     llama: Llama,
     batch: llama_cpp.llama_batch,
     rows: list[tuple[int, int, int]],
-    ends: tuple[int, ...] | list[int] = (),
+    ends: Iterable[int] = (),
+    *,
+    prompt: bool = True,
 ) -> list[Logits]:
-    """Decode `rows` as a prompt chunk is; the logits of the rows at `ends`."""
+    """Decode `rows` in one call, as a prompt chunk is or (not `prompt`) as a decode step is;
+    the logits of the rows at `ends`."""
+    ends = list(ends)
     fill_batch(batch, rows, logits=False)
     for end in ends:
         batch.logits[end] = True
-    with prompt_chunk_kernels():
+    with prompt_chunk_kernels() if prompt else contextlib.nullcontext():
         if llama_cpp.llama_decode(llama.ctx, batch) != 0:
-            raise RuntimeError("a decode of the shared pass check failed")
+            raise RuntimeError("a decode of a start-up check failed")
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(llama.model))
     return [
         np.ctypeslib.as_array(
