@@ -12,11 +12,13 @@
 # dot from 2) start at ROWS rows instead, flash attention tiles every pass and splits a decode
 # row's cells only at fixed segments (deploy/llama-flash-attn-tiles.patch), and the one-row
 # kernels of Q6_K, Q4_1 and repacked Q4_K take several rows, unpacking each weight block once
-# for all of them (deploy/llama-kquant-rows.patch). A decode step of fewer rows then computes each row as a
-# lone decode does, bit for bit, so the Conclave batches
-# jobs without near-tie replays (worker/conclave/row_check.py checks it at start-up); prefill
-# chunks, hundreds of rows, keep the fast kernels. For bench/batch_rows.py only: `stock` builds
-# the sdist unchanged, `batch-invariant` without llamafile's sgemm.
+# for all of them (deploy/llama-kquant-rows.patch). A decode step of fewer rows then computes
+# each row as a lone decode does, bit for bit, so the Conclave batches jobs without near-tie
+# replays (worker/conclave/row_check.py checks it at start-up). Prompt chunks take the batched
+# paths at any row count, padding repacked weights' last rows into a group of 4
+# (deploy/llama-prompt-rows.patch): a prompt row reads alike whatever shares its pass. For
+# bench/batch_rows.py only: `stock` builds the sdist unchanged, `batch-invariant` without
+# llamafile's sgemm.
 #
 # On x86_64 the CPUs here advertise AMX the sandbox cannot run (SIGSEGV in
 # ggml_backend_amx_mul_mat); gcc rejects those flags on ARM, where the plain native build is right.
@@ -47,9 +49,9 @@ edit() {
 
 if [ "$VARIANT" = row-invariant ]; then
   # One global, read by every patched kernel at each call: the row count from which they take
-  # their batched path. 32 (the default) for decode steps; granary sets it to 0 (the sdist's own
-  # thresholds) around a prompt chunk's passes (worker/kernels.py), whose values depend on the
-  # chunk alone, never on what is decoded beside it.
+  # their batched path. 32 (the default) for decode steps; granary sets it to 0 around a prompt
+  # chunk's passes (worker/kernels.py), whose values depend on the chunk alone, never on what
+  # is decoded beside it: there every kernel takes its batched path (below), from one row.
   rows='granary_exact_rows'
   edit "$cpu/ggml-cpu-impl.h" 'struct ggml_compute_params {' \
     "__attribute__((visibility(\"default\"))) extern int $rows;

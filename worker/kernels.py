@@ -7,13 +7,12 @@ alone, bit for bit: what lets the Conclave batch jobs, and speculation verify dr
 The exception is llamafile's kernels for Q8_0, Q5_0 and Q4_0 weights on AVX2, whose arithmetic
 per output is the lone row's: they keep their batched path from 2 rows.
 
-A prompt chunk needs none of that. Its values depend on the chunk alone (canonical chunks: the
-same tokens, positions and row count in every path, cold or after a restore), never on what
-is decoded beside it, so it can take the sdist's own thresholds; a question's 12-token tail
-after a restored document would otherwise be read one row at a time, at 1.25 times the cost
-on Qwen2.5 and up to 1.6 times for longer tails (docs/BENCHMARKS.md, "A prompt chunk's
-kernels"). Only the thread that decodes switches it,
-between passes, so no pass ever sees it change.
+A prompt chunk needs none of that: with the switch at 0 it takes the batch kernels at any row
+count, each row with their arithmetic wherever it stands in the pass (repacked weights' last
+rows padded into a group of 4, deploy/llama-prompt-rows.patch), so short chunks of several
+streams can share a pass and a restore can end at any token inside a chunk. A lone short chunk
+pays a little for it (docs/BENCHMARKS.md, "A prompt chunk's kernels"). Only the thread that
+decodes switches it, between passes, so no pass ever sees it change.
 
 Flash attention reads the same switch: a decode pass sums each row over fixed segments of
 cells, a prompt chunk's pass in whole tiles (deploy/llama-flash-attn-tiles.patch). A wheel
@@ -33,8 +32,8 @@ from pathlib import Path
 import llama_cpp
 
 SYMBOL = "granary_exact_rows"
-# Below every threshold of the sdist: each kernel takes its own (2, 4 or 8 rows).
-STOCK_THRESHOLDS = 0
+# Below every threshold: each kernel takes its batched path from one row.
+PROMPT_THRESHOLD = 0
 
 
 @functools.cache
@@ -73,13 +72,13 @@ def build_stamp() -> str:
 
 @contextlib.contextmanager
 def prompt_chunk_kernels() -> Iterator[None]:
-    """Passes inside take the sdist's row thresholds: for prompt chunks only."""
+    """Passes inside take the batch kernels at any row count: for prompt chunks only."""
     threshold = exact_rows()
     if threshold is None:
         yield
         return
     saved = threshold.value
-    threshold.value = STOCK_THRESHOLDS
+    threshold.value = PROMPT_THRESHOLD
     try:
         yield
     finally:

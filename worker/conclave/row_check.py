@@ -33,10 +33,10 @@ multiples of a granule from the chunk's start; the rest read is MIN_PASS_ROWS lo
 least, as the restores are. The wheel `make install` builds pads a prompt pass's leftover rows
 into a group (deploy/llama-prompt-rows.patch): a granule of 1.
 
-A third, `shared_prompt_passes`, asks whether prompt pieces of several sequences may share one
-pass: each piece's last logits read together must be those it gets read alone. llama.cpp cuts
-such a pass by sequence (`split_equal`), so pieces of unequal lengths, one of a single row,
-are read in passes of several shapes.
+A third, `prompt_pieces_share_passes`, asks whether prompt pieces of several sequences may
+share one pass: each piece's last logits read together must be those it gets read alone.
+llama.cpp cuts such a pass by sequence (`split_equal`), so pieces of unequal lengths, one of a
+single row, are read in passes of several shapes.
 """
 
 from __future__ import annotations
