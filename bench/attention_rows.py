@@ -8,7 +8,8 @@ of n rows of one sequence is decoded without logits, as granary reads a prompt c
 question's tail after a restored document: a few rows; a canonical chunk: 256), with flash
 attention on and off, in two contexts of one process, alternating; medians of 5. One row is a
 decode step's cost for one stream beside a long document. Prompt chunks of more than one row
-take the sdist's kernels (`worker/kernels.py`); a lone row the exact ones, as granary runs them.
+take the prompt-chunk kernels (`worker/kernels.py`); a lone row the exact ones, as granary runs
+them.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ pass one way. After a context of C tokens (read in 256-token chunks), a pass of 
 sequence is decoded without logits, with flash attention on and off, alternating (two contexts
 in one process, medians of 5; `bench/attention_rows.py`). One row: a decode step beside a long
 document (exact kernels); 4-32 rows: a question's tail after a restored document; 256: a
-canonical prefill chunk (both with the sdist's kernels, as granary reads prompt chunks).
+canonical prefill chunk (both with the prompt-chunk kernels, as granary reads them).
 llama.cpp's CPU flash attention tiles a pass's rows from 64 and walks every cached cell one
 query row at a time below that; the wheel `make install` builds tiles every pass, the query rows
 of every head reading one K/V head in one tile (deploy/llama-flash-attn-tiles.patch).
