@@ -233,10 +233,13 @@ def _render(
 def _where_the_time_goes(ttfts: dict[tuple[str, str], list[float]]) -> str:
     """The default's time over the model work alone, in seconds: the Conclave's chunk ends
     (prompt breaks, the last token alone), then the rest (the job path, Redis, SSE, the model
-    thread's turns), with and without snapshots written."""
+    thread's turns), with and without snapshots written. Each the median of the rounds' own
+    differences: a difference of medians taken in different rounds mixes in how the host's
+    speed moved between them."""
 
     def over(name: str, base: str, size: str) -> float:
-        return statistics.median(ttfts[(name, size)]) - statistics.median(ttfts[(base, size)])
+        rounds = zip(ttfts[(name, size)], ttfts[(base, size)], strict=True)
+        return statistics.median(a - b for a, b in rounds)
 
     parts = [
         f"{size}: {over(DEFAULT, IN_PROCESS, size):+.2f} s, of which the chunk ends "
@@ -246,7 +249,8 @@ def _where_the_time_goes(ttfts: dict[tuple[str, str], list[float]]) -> str:
         for size in SIZES
     ]
     return (
-        "Where granary's time goes, over the model work alone: "
+        "Where granary's time goes, over the model work alone (medians of each round's own "
+        "differences): "
         + "; ".join(parts)
         + ". The model work alone against llama-server: the same "
         "kernels, flash attention on both."
