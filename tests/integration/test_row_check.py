@@ -20,10 +20,11 @@ from worker.conclave.row_check import (
     PAST_PADDED_WINDOW,
     batched_rows_equal_lone,
     prompt_pieces_share_passes,
+    read_rows,
     row_counts,
     slice_granule,
 )
-from worker.decode_batch import fill_batch, llama_batch
+from worker.decode_batch import llama_batch
 from worker.kernels import exact_rows, prompt_chunk_kernels
 from worker.main import build_conclave
 from worker.model import load_model
@@ -102,22 +103,16 @@ def test_prompt_chunks_take_the_batch_kernels_and_decode_steps_the_exact_ones_ag
 
 
 def lone_logits(llama: Llama) -> npt.NDArray[np.float32]:
-    """A prompt's last token decoded alone after the rest is read as a chunk: its logits.
-    Memory is cleared afterwards."""
+    """A prompt's last token decoded alone, in the kernels' current mode, after the rest is
+    read as a chunk: its logits. Memory is cleared afterwards."""
     tokens = llama.tokenize(b"Granary keeps what it has read, and reads it once.", add_bos=False)
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(llama.model))
-    mem = llama_cpp.llama_get_memory(llama.ctx)
+    rows = [(t, p, 0) for p, t in enumerate(tokens)]
     with llama_batch(len(tokens)) as batch:
         try:
-            fill_batch(batch, [(t, p, 0) for p, t in enumerate(tokens[:-1])], logits=False)
-            with prompt_chunk_kernels():
-                assert llama_cpp.llama_decode(llama.ctx, batch) == 0
-            fill_batch(batch, [(tokens[-1], len(tokens) - 1, 0)], logits=True)
-            assert llama_cpp.llama_decode(llama.ctx, batch) == 0
-            pointer = llama_cpp.llama_get_logits_ith(llama.ctx, 0)
-            return np.ctypeslib.as_array(pointer, shape=(n_vocab,)).copy()
+            read_rows(llama, batch, rows[:-1])
+            return read_rows(llama, batch, rows[-1:], [0], prompt=False)[0]
         finally:
-            llama_cpp.llama_memory_clear(mem, True)
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llama.ctx), True)
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "qwen2.5-coder-0.5b"])

@@ -186,7 +186,7 @@ class Conclave:
         self._exact = exact
         self.rows_invariant = False
         # Whether the chunks a turn reads share one pass (row_check.prompt_pieces_share_passes).
-        self._shared_prompt_passes = False
+        self._chunks_share_passes = False
         self.shared_prompt_passes = 0  # passes that read chunks of several streams
         self._granule: int | None = None  # `_use_granule`
         # What decode passes cost by their rows, and the most rows one may have and stay exact.
@@ -304,7 +304,7 @@ class Conclave:
             started.put(exc)
             return
         self.rows_invariant = facts.rows_invariant
-        self._shared_prompt_passes = facts.shared_prompt_passes
+        self._chunks_share_passes = facts.shared_prompt_passes
         self._use_granule(facts.granule)
         started.put(None)
         while True:
@@ -604,7 +604,7 @@ class Conclave:
         chosen = [prefilling[key] for key in plan.keys]
         # Short chunks of several streams (an extraction's question tails) in one pass where
         # each row reads as alone: one pass costs less than a pass of few rows each.
-        for streams in [chosen] if self._shared_prompt_passes else [[s] for s in chosen]:
+        for streams in [chosen] if self._chunks_share_passes else [[s] for s in chosen]:
             try:
                 ends = self._read_chunks(streams)
             except Exception as exc:
@@ -613,7 +613,7 @@ class Conclave:
                 continue
             for stream, end in ends:
                 try:
-                    self._chunk_read(stream, end)
+                    self._after_chunk(stream, end)
                 except Exception as exc:
                     self._fail(stream, exc)
         return True
@@ -647,7 +647,7 @@ class Conclave:
             self.costs.prefilled(end - stream.pos, seconds * (end - stream.pos) / len(rows))
         return ends
 
-    def _chunk_read(self, stream: _Stream, end: int) -> None:
+    def _after_chunk(self, stream: _Stream, end: int) -> None:
         """`stream`'s cells now reach `end`: what it holds, its snapshot there, its next state."""
         request, position = stream.request, stream.pos
         assert stream.resident is not None

@@ -120,14 +120,14 @@ def batched_rows_equal_lone(llama: Llama, n_seq: int, long_cells: int = 0) -> bo
                 (tokens[p % len(tokens)], p, s) for s, n in enumerate(lengths) for p in range(n)
             ]
             for start in range(0, len(cells), capacity):
-                _read(llama, batch, cells[start : start + capacity], prompt=False)
+                read_rows(llama, batch, cells[start : start + capacity], prompt=False)
             alone = []
             for row in rows:
-                alone += _read(llama, batch, [row], [0], prompt=False)
+                alone += read_rows(llama, batch, [row], [0], prompt=False)
                 drop_rows()
             equal = True
             for count in counts:
-                together = _read(llama, batch, rows[:count], range(count), prompt=False)
+                together = read_rows(llama, batch, rows[:count], range(count), prompt=False)
                 equal = all(map(np.array_equal, together, alone[:count]))
                 drop_rows()
                 if not equal:
@@ -174,7 +174,7 @@ class SliceCheck:
 
     def __enter__(self) -> SliceCheck:
         try:
-            _read(self._llama, self._batch, self._rows(0, SLICE_START))
+            read_rows(self._llama, self._batch, self._rows(0, SLICE_START))
         except BaseException:
             self.__exit__()
             raise
@@ -188,9 +188,9 @@ class SliceCheck:
         """Cut the cells back to `cut`, read the chunk's rest in one pass as prefill does, then
         the last token alone as the Conclave decodes it: its logits."""
         llama_cpp.llama_memory_seq_rm(self._mem, 0, cut, -1)
-        _read(self._llama, self._batch, self._rows(cut, SLICE_END))
+        read_rows(self._llama, self._batch, self._rows(cut, SLICE_END))
         last = self._rows(SLICE_END, SLICE_END + 1)
-        return _read(self._llama, self._batch, last, [0], prompt=False)[0]
+        return read_rows(self._llama, self._batch, last, [0], prompt=False)[0]
 
     def _rows(self, start: int, end: int) -> list[tuple[int, int, int]]:
         return [(self._tokens[p], p, 0) for p in range(start, end)]
@@ -217,14 +217,14 @@ def prompt_pieces_share_passes(llama: Llama) -> bool:
     mem = llama_cpp.llama_get_memory(llama.ctx)
     with llama_batch(sum(cells + n for cells, n in SHARED_PIECES)) as batch:
         try:
-            _read(llama, batch, before)
+            read_rows(llama, batch, before)
             alone = []
             for piece in pieces:
-                alone += _read(llama, batch, piece, [len(piece) - 1])
+                alone += read_rows(llama, batch, piece, [len(piece) - 1])
                 for seq, (cells, _n) in enumerate(SHARED_PIECES):
                     llama_cpp.llama_memory_seq_rm(mem, seq, cells, -1)
             ends = [end - 1 for end in itertools.accumulate(len(p) for p in pieces)]
-            together = _read(llama, batch, [r for piece in pieces for r in piece], ends)
+            together = read_rows(llama, batch, [r for piece in pieces for r in piece], ends)
             equal = all(np.array_equal(a, b) for a, b in zip(alone, together, strict=True))
         finally:
             llama_cpp.llama_memory_clear(mem, True)
@@ -233,7 +233,7 @@ def prompt_pieces_share_passes(llama: Llama) -> bool:
     return equal
 
 
-def _read(
+def read_rows(
     llama: Llama,
     batch: llama_cpp.llama_batch,
     rows: list[tuple[int, int, int]],
@@ -241,8 +241,8 @@ def _read(
     *,
     prompt: bool = True,
 ) -> list[Logits]:
-    """Decode `rows` in one call, as a prompt chunk is or (not `prompt`) as a decode step is;
-    the logits of the rows at `ends`."""
+    """Decode `rows` in one call, as a prompt chunk is or (not `prompt`) in the kernels' current
+    mode (a decode step's, outside `prompt_chunk_kernels`); the logits of the rows at `ends`."""
     ends = list(ends)
     fill_batch(batch, rows, logits=False)
     for end in ends:
