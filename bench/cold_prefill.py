@@ -10,8 +10,9 @@ rotates round by round, and a system's ratio to the peer is taken within each ro
 with `flash_attn = false`, granary with its prefix cache off (no snapshot is captured or
 written while the prompt is read), the same prompt prefilled in this process on a context laid
 out as the Conclave's (256-token chunks, no prompt breaks, no job path, no cache: what the model
-work alone costs), the same again ending its passes where the Conclave does (also at the
-prompt's breaks, then its last token alone: what the chunk ends cost), and
+work alone costs; as the Conclave reads where a prompt row reads alike in any pass), the same
+again with canonical chunk ends (also at the prompt's breaks, then its last token alone, as the
+Conclave reads elsewhere: what those ends cost), and
 `llama-server -np 8 -kvu` (`-fa auto`, its default, picks flash attention on a CPU). Target (issue 32): granary's cold TTFT at most llama-server's.
 """
 
@@ -54,7 +55,7 @@ PEER = "llama-server -np 8 -kvu"
 DEFAULT = "granary (default, flash_attn on)"
 NO_CACHE = "granary, prefix cache off"
 IN_PROCESS = "model work alone (in process, granary's context, 256-token chunks)"
-CONCLAVE_CHUNKS = "model work alone, the Conclave's chunk ends (breaks; the last token alone)"
+CANONICAL = "model work alone, canonical chunk ends (breaks; the last token alone)"
 
 
 Ask = Callable[[int, int], tuple[float, int]]  # (nonce, lines) -> TTFT s, prompt tokens
@@ -109,22 +110,22 @@ def _over_http(url: str) -> Ask:
 def _in_process(settings: Settings) -> Iterator[Callable[[bool], Ask]]:
     """The model work alone on the Conclave's context layout, then the first logits: one
     context, asked two ways (each ask clears its memory first). Chunks: the 256-token grid,
-    the last one ending with the prompt; or with `conclave_chunks`, the Conclave's own (also
-    ending at the prompt's breaks and before its last token, which is then decoded alone,
-    prompt chunks on llama.cpp's own kernels)."""
+    the last one ending with the prompt, on the prompt-chunk kernels (Conclave._chunk_end
+    where chunk ends are free); or with `canonical`, also ending at the prompt's breaks and
+    before its last token, which is then decoded alone on the exact kernels."""
     n_seq = settings.worker.max_active_jobs + 4
     llama = load_model(settings, n_seq)
     memory = llama_cpp.llama_get_memory(llama.ctx)
     block = settings.cache.block_tokens
 
-    def asker(conclave_chunks: bool) -> Ask:
+    def asker(canonical: bool) -> Ask:
         def ask(nonce: int, lines: int) -> tuple[float, int]:
             system, text = _messages(nonce, lines)
             request = JobRequest(
                 messages=[{"role": "system", "content": system}, {"role": "user", "content": text}]
             )
             tokens = tokenize(llama, render_prompt(llama, request))
-            ends = _chunk_ends(llama, tokens, block, conclave_chunks)
+            ends = _chunk_ends(llama, tokens, block, canonical)
             llama_cpp.llama_memory_clear(memory, True)
             started = time.perf_counter()
             with llama_batch(block) as batch:
@@ -132,7 +133,8 @@ def _in_process(settings: Settings) -> Iterator[Callable[[bool], Ask]]:
                     rows = [(tokens[p], p, 0) for p in range(start, end)]
                     fill_batch(batch, rows, logits=False)
                     batch.logits[len(rows) - 1] = end == len(tokens)  # the last only
-                    kernels = prompt_chunk_kernels() if end < len(tokens) else nullcontext()
+                    alone = canonical and end == len(tokens)
+                    kernels = nullcontext() if alone else prompt_chunk_kernels()
                     with kernels:
                         if llama_cpp.llama_decode(llama.ctx, batch) != 0:
                             raise RuntimeError("llama_decode failed")
@@ -146,9 +148,9 @@ def _in_process(settings: Settings) -> Iterator[Callable[[bool], Ask]]:
         llama.close()
 
 
-def _chunk_ends(llama: Llama, tokens: list[int], block: int, conclave: bool) -> list[int]:
-    """Where each pass of a cold prefill ends (see Conclave._read_chunks)."""
-    if not conclave:
+def _chunk_ends(llama: Llama, tokens: list[int], block: int, canonical: bool) -> list[int]:
+    """Where each pass of a cold prefill ends (see Conclave._chunk_end)."""
+    if not canonical:
         return [*range(block, len(tokens), block), len(tokens)]
     last = len(tokens) - 1  # decoded alone, as the first decode step
     breaks = prompt_breaks(llama, tokens, None, limit=last)
@@ -168,7 +170,7 @@ def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int)
             systems[name] = _over_http(url)
         in_process = running.enter_context(_in_process(settings))
         systems[IN_PROCESS] = in_process(False)
-        systems[CONCLAVE_CHUNKS] = in_process(True)
+        systems[CANONICAL] = in_process(True)
         if server is not None and server.exists():
             url = running.enter_context(llama_server(server, settings, log_dir))[0]
             systems[PEER] = _over_http(url)
@@ -231,9 +233,9 @@ def _render(
 
 
 def _where_the_time_goes(ttfts: dict[tuple[str, str], list[float]]) -> str:
-    """The default's time over the model work alone, in seconds: the Conclave's chunk ends
-    (prompt breaks, the last token alone), then the rest (the job path, Redis, SSE, the model
-    thread's turns), with and without snapshots written. Each the median of the rounds' own
+    """The default's time over the model work alone, in seconds (the job path, Redis, SSE,
+    the model thread's turns), with and without snapshots written, and what canonical chunk
+    ends (prompt breaks, the last token alone) cost over it. Each the median of the rounds' own
     differences: a difference of medians taken in different rounds mixes in how the host's
     speed moved between them."""
 
@@ -242,10 +244,9 @@ def _where_the_time_goes(ttfts: dict[tuple[str, str], list[float]]) -> str:
         return statistics.median(a - b for a, b in rounds)
 
     parts = [
-        f"{size}: {over(DEFAULT, IN_PROCESS, size):+.2f} s, of which the chunk ends "
-        f"{over(CONCLAVE_CHUNKS, IN_PROCESS, size):+.2f} s and the rest "
-        f"{over(DEFAULT, CONCLAVE_CHUNKS, size):+.2f} s "
-        f"({over(NO_CACHE, CONCLAVE_CHUNKS, size):+.2f} s with the prefix cache off)"
+        f"{size}: {over(DEFAULT, IN_PROCESS, size):+.2f} s "
+        f"({over(NO_CACHE, IN_PROCESS, size):+.2f} s with the prefix cache off); canonical "
+        f"chunk ends {over(CANONICAL, IN_PROCESS, size):+.2f} s"
         for size in SIZES
     ]
     return (

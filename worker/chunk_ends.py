@@ -8,7 +8,8 @@ prompt, whatever memory or the disk held: multiples of the cache's block, the pr
 the stored state's prefill and the new prompt's cold prefill ended a chunk at
 (`shared.prefix_cache.restorable_tokens`; on kernels the start-up checks, also inside a
 chunk), and every cell after it is computed as cold. `chunk_end` itself lives beside that rule,
-in shared/prefix_cache.
+in shared/prefix_cache. Where a prompt row reads alike in any pass (the start-up checks), no
+cell depends on chunk ends and the Conclave frees them (`Conclave._chunk_end`).
 """
 
 from __future__ import annotations

@@ -18,13 +18,16 @@ def llama_batch(capacity: int) -> Iterator[llama_cpp.llama_batch]:
 
 
 def fill_batch(
-    batch: llama_cpp.llama_batch, pieces: Sequence[tuple[int, int, int]], logits: bool
+    batch: llama_cpp.llama_batch,
+    pieces: Sequence[tuple[int, int, int]],
+    logits: bool | Sequence[bool],
 ) -> None:
-    """Put (token, position, sequence) triples into `batch`, asking logits for all or none."""
+    """Put (token, position, sequence) triples into `batch`, asking logits for all, none, or
+    the rows `logits` marks."""
     for i, (token, pos, seq) in enumerate(pieces):
         batch.token[i] = token
         batch.pos[i] = pos  # type: ignore[call-overload]  # stub says array of arrays
         batch.n_seq_id[i] = 1
         batch.seq_id[i][0] = seq
-        batch.logits[i] = logits
+        batch.logits[i] = logits if isinstance(logits, bool) else logits[i]
     batch.n_tokens = len(pieces)

@@ -178,6 +178,7 @@ def restorable_tokens(
     breaks: Collection[int] = (),
     stored_breaks: Collection[int] = (),
     granule: int | None = None,
+    shape_free: bool = False,
 ) -> int:
     """How many tokens of a stored prefix a prompt may restore so warm output equals cold.
 
@@ -199,8 +200,14 @@ def restorable_tokens(
     the chunk's start, holds the cold run's cells, and the rest of the chunk read from there,
     MIN_PASS_ROWS rows at least, is grouped and computed as the cold run's: the restore may
     end there instead of at the chunk's start.
+
+    `shape_free`: on this host's kernels a prompt row reads alike in any pass, a lone one too
+    (row_check.py's slice and shared-pieces checks), so no cell depends on where chunks ended:
+    a restore may end at any shared token the state holds or can be cut back to.
     """
     n = min(common, limit, stored)
+    if shape_free and (truncatable or n == stored):
+        return n
     ours = {b for b in breaks if b < n}
     theirs = {b for b in stored_breaks if b < n}
     # After a chunk end only one side had, cells were computed in differently shaped batches.
@@ -253,6 +260,7 @@ class PrefixCache:
         # Set by the worker once its kernels are checked (`restorable_tokens`); until then, and
         # for every other reader, restores end at chunk ends.
         self.granule: int | None = None
+        self.shape_free = False
         self._composer = Composer()
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(COUNTERS, 0)
@@ -525,6 +533,7 @@ class PrefixCache:
             breaks,
             stored_breaks,
             self.granule,
+            self.shape_free,
         )
 
     def _best_effort(self, write: Callable[..., object], *args: object) -> None:
@@ -777,7 +786,7 @@ class PrefixCache:
         )
         # Counted with this cache's: the model's figures, whoever's prompts they were.
         cache._lock, cache._counters = self._lock, self._counters
-        cache.granule = self.granule
+        cache.granule, cache.shape_free = self.granule, self.shape_free
         return cache
 
     def counters(self) -> dict[str, int]:

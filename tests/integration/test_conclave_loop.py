@@ -14,7 +14,7 @@ from tests.conftest import DATA_DIR
 from worker.conclave.engine import ConclaveEngine
 from worker.conclave.loop import Conclave
 from worker.conclave.row_check import KernelFacts
-from worker.conclave.streams import Ended, StreamHandle, StreamRequest, Token
+from worker.conclave.streams import Ended, StreamHandle, StreamRequest, Token, wait_started
 from worker.main import build_conclave
 from worker.model import load_model, warm_up
 from worker.sampling import Sampling
@@ -112,6 +112,27 @@ def test_the_wheel_make_install_builds_decodes_rows_together_as_alone_without_re
     assert all(ended.replays == 0 and not ended.drifted for _, ended in together)
     # The chats' prompts, arriving together, were read in passes they shared.
     assert engine.conclave.shared_prompt_passes > shared
+
+
+def test_a_prompts_last_token_is_read_in_its_last_chunk_warm_or_cold(
+    engine: ConclaveEngine,
+) -> None:
+    """On these kernels a prompt row reads alike in any pass, so a prompt is read in block-long
+    chunks through its last token (no short pieces at its breaks, no pass of its own for that
+    token), whose row gives the first token: read cold, and again with memory holding all but
+    that token (read then as a chunk of one row), the same tokens."""
+    prompt = chat_prompts(engine)[0]
+    engine.forget()
+    before = engine.conclave.first_tokens_in_chunks
+    outputs, restored = [], []
+    for _ in range(2):
+        handle, out = submit(engine, StreamRequest(prompt, (), None, 0, max_new=16))
+        restored.append(wait_started(handle).cached_tokens)
+        ended(handle)
+        outputs.append(out)
+    assert restored == [0, len(prompt) - 1]
+    assert outputs[1] == outputs[0]
+    assert engine.conclave.first_tokens_in_chunks == before + 2
 
 
 def test_near_ties_replay_at_most_once_where_rows_differ(

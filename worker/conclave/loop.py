@@ -188,6 +188,9 @@ class Conclave:
         # Whether the chunks a turn reads share one pass (row_check.prompt_pieces_share_passes).
         self._chunks_share_passes = False
         self.shared_prompt_passes = 0  # passes that read chunks of several streams
+        # Whether a prompt row reads alike in any pass (`_shape_free`).
+        self._rows_shape_free = False
+        self.first_tokens_in_chunks = 0  # drawn from a prompt chunk's last row (`_prompt_end`)
         self._granule: int | None = None  # `_use_granule`
         # What decode passes cost by their rows, and the most rows one may have and stay exact.
         self._pass_cost = PassCost()
@@ -305,7 +308,7 @@ class Conclave:
             return
         self.rows_invariant = facts.rows_invariant
         self._chunks_share_passes = facts.shared_prompt_passes
-        self._use_granule(facts.granule)
+        self._use_granule(facts.granule, facts.shared_prompt_passes)
         started.put(None)
         while True:
             with self._lock:
@@ -333,17 +336,21 @@ class Conclave:
                 self._wake.clear()
                 self._waiting_for_work(False)
 
-    def _use_granule(self, granule: int | None) -> None:
+    def _use_granule(self, granule: int | None, shared_passes: bool) -> None:
         """Restores from memory, the disk and a leader may end inside a chunk at multiples of
         `granule` (`restorable_tokens`); not where prefill splits a chunk at other points
-        (`n_batch` or llama.cpp's `n_ubatch` not multiples of it)."""
+        (`n_batch` or llama.cpp's `n_ubatch` not multiples of it). With granule 1 and prompt
+        pieces that read alike in a shared pass (`shared_passes`), a prompt row reads alike in
+        any pass: restores may end at any token, and chunk ends are free (`_shape_free`)."""
         params = self.llama.context_params
         if granule is not None and (params.n_batch % granule or params.n_ubatch % granule):
             granule = None
+        self._rows_shape_free = granule == 1 and shared_passes
         self._granule = self._memory.granule = granule
+        self._memory.shape_free = self._rows_shape_free
         cache = self._cache_for(None)
-        if cache is not None:  # namespaced caches are made from it, granule included
-            cache.granule = granule
+        if cache is not None:  # namespaced caches are made from it, these included
+            cache.granule, cache.shape_free = granule, self._rows_shape_free
 
     def _turn(self) -> bool:
         """One turn of the loop; False when there was nothing to do."""
@@ -431,6 +438,7 @@ class Conclave:
                     follower.breaks,
                     tuple(b for b in leader.breaks if b <= end),
                     self._granule,
+                    self._rows_shape_free,
                 )
                 for end in ends
             ),
@@ -574,8 +582,9 @@ class Conclave:
         if self._memory.copies_pending():
             # One throwaway cell makes llama.cpp make its queued copies (out of this sequence,
             # or into it: memory's prefix, claimed before the disk was read) before the state
-            # is loaded over; the restore drops the cell.
-            self._decode([(0, 0, stream.seq)], logits=False)
+            # is loaded over; the restore drops the cell. After the cells the sequence holds:
+            # llama.cpp refuses a position a copy into it fills.
+            self._decode([(0, stream.pos, stream.seq)], logits=False)
         if kv_state.restore_into(self.llama, stream.seq, hit.state, hit.n_tokens):
             return hit.n_tokens
         log.warning("cached state %s did not load into sequence %d", hit.key, stream.seq)
@@ -611,9 +620,9 @@ class Conclave:
                 for stream in streams:
                     self._fail(stream, exc)
                 continue
-            for stream, end in ends:
+            for stream, end, last_row in ends:
                 try:
-                    self._after_chunk(stream, end)
+                    self._after_chunk(stream, end, last_row)
                 except Exception as exc:
                     self._fail(stream, exc)
         return True
@@ -624,31 +633,65 @@ class Conclave:
         priority = request.priority
         if stream.led_priority is not None:
             priority = min(priority, stream.led_priority)
-        end = chunk_end(stream.pos, request.prefill_end, self._block_tokens, request.breaks)
-        remaining = request.prefill_end - stream.pos
+        end = self._chunk_end(stream)
+        remaining = self._prompt_end(request) - stream.pos
         return Prefilling(stream.arrival, priority, remaining, stream.passed_over, end - stream.pos)
 
-    def _read_chunks(self, streams: list[_Stream]) -> list[tuple[_Stream, int]]:
+    def _shape_free(self) -> bool:
+        """Whether chunk ends are free: a prompt row reads alike in any pass, a lone one too
+        (row_check.py: pieces share passes, a chunk may be cut at any token), and snapshots are
+        cut from one capture, not saved where a chunk ends (not a sliding window's)."""
+        return self._rows_shape_free and self._cut_snapshots
+
+    def _prompt_end(self, request: StreamRequest) -> int:
+        """Where a stream's prefill stops. A stream that decodes holds `prefill_end` cells
+        before its first token. Where chunk ends are free, its last prompt token is read in its
+        last chunk too, as llama-server reads it, and that row's logits give the first token
+        (warm or cold, that row is read as a prompt row); else it is the first decode row, a
+        pass of its own when no other stream decodes."""
+        if self._shape_free() and request.end is None and request.max_new > 0:
+            return len(request.tokens)
+        return request.prefill_end
+
+    def _chunk_end(self, stream: _Stream) -> int:
+        """Where the stream's next chunk ends: a canonical end (worker/chunk_ends.py), or
+        where chunk ends are free, the next block boundary or the prompt's end: no short
+        pieces at the prompt's breaks, which only a state saved there needs."""
+        request = stream.request
+        breaks = () if self._shape_free() else request.breaks
+        return chunk_end(stream.pos, self._prompt_end(request), self._block_tokens, breaks)
+
+    def _read_chunks(self, streams: list[_Stream]) -> list[tuple[_Stream, int, Logits | None]]:
         """Decode the next canonical chunk of each of `streams`, in increasing sequence order
         (one run: llama.cpp makes a pass per run, memory.py), split at n_batch as Llama.eval
-        does; each stream with its chunk's end."""
-        ends = [
-            (s, chunk_end(s.pos, s.request.prefill_end, self._block_tokens, s.request.breaks))
-            for s in sorted(streams, key=lambda s: s.seq)
-        ]
-        rows = [(s.request.tokens[p], p, s.seq) for s, end in ends for p in range(s.pos, end)]
+        does; each stream with its chunk's end, and the logits of its prompt's last token if
+        the chunk read it."""
+        ends = [(s, self._chunk_end(s)) for s in sorted(streams, key=lambda s: s.seq)]
+        rows: list[tuple[int, int, int]] = []
+        last_rows: dict[_Stream, int] = {}  # the row of a prompt's last token, where read
+        for s, end in ends:
+            rows += [(s.request.tokens[p], p, s.seq) for p in range(s.pos, end)]
+            if end > s.request.prefill_end:  # see `_prompt_end`
+                last_rows[s] = len(rows) - 1
+        wanted = set(last_rows.values())
+        logits: dict[int, Logits] = {}
         started = time.perf_counter()
         with prompt_chunk_kernels():
             for start in range(0, len(rows), self.llama.n_batch):
-                self._decode(rows[start : start + self.llama.n_batch], logits=False)
+                piece = range(start, min(start + self.llama.n_batch, len(rows)))
+                self._decode(rows[piece.start : piece.stop], [r in wanted for r in piece])
+                for i, row in enumerate(piece):
+                    if row in wanted:  # copied: the next pass overwrites them
+                        logits[row] = self._logits(i).copy()
         seconds = time.perf_counter() - started
         self.shared_prompt_passes += len(streams) > 1
         for stream, end in ends:
             self.costs.prefilled(end - stream.pos, seconds * (end - stream.pos) / len(rows))
-        return ends
+        return [(s, end, logits[last_rows[s]] if s in last_rows else None) for s, end in ends]
 
-    def _after_chunk(self, stream: _Stream, end: int) -> None:
-        """`stream`'s cells now reach `end`: what it holds, its snapshot there, its next state."""
+    def _after_chunk(self, stream: _Stream, end: int, last_row: Logits | None = None) -> None:
+        """`stream`'s cells now reach `end`: what it holds, its snapshot there, its next state
+        (`last_row`: the logits of its prompt's last token, if the chunk read it)."""
         request, position = stream.request, stream.pos
         assert stream.resident is not None
         stream.resident.tokens.extend(request.tokens[position:end])
@@ -661,7 +704,7 @@ class Conclave:
             if cache is not None and self._saver is not None:
                 inside = tuple(b for b in request.breaks if b < end)
                 self._saver.snapshot(cache, self.llama, stream.seq, request.tokens[:end], inside)
-        self._prefilled_to(stream)
+        self._prefilled_to(stream, last_row)
 
     def _save_snapshots(self, stream: _Stream) -> None:
         """Capture once the states at the snapshot points `stream` has passed, each to be cut
@@ -681,10 +724,11 @@ class Conclave:
         if not self._saver.snapshots(cache, self.llama, stream.seq, prompt, points):
             self._cut_snapshots = False
 
-    def _prefilled_to(self, stream: _Stream) -> None:
-        """Move a stream on once its prefill is done."""
+    def _prefilled_to(self, stream: _Stream, last_row: Logits | None = None) -> None:
+        """Move a stream on once its prefill is done; `last_row`: the logits of its prompt's
+        last token, read with the prefill (`_prompt_end`), from which its first token is drawn."""
         request = stream.request
-        if stream.pos < request.prefill_end:
+        if stream.pos < self._prompt_end(request):
             return
         if request.max_new == 0:
             self._save_snapshots(stream)  # before the end: a warm job's flush waits for them
@@ -695,12 +739,16 @@ class Conclave:
                 self._end(stream, None)
             return
         stream.state = _State.DECODING
-        stream.next_token = request.tokens[stream.pos]
         stream.exact_until = stream.pos
         stream.rng = np.random.default_rng(request.sampling.seed)
         if request.speculation != "off" and self.rows_invariant:
             prompt = request.tokens[: stream.pos + 1]
             stream.drafts = StreamDrafts(request.speculation, prompt, self._acceptance)
+        if last_row is None:
+            stream.next_token = request.tokens[stream.pos]
+        else:
+            self.first_tokens_in_chunks += 1
+            self._draw(stream, last_row)
 
     def _step(self) -> bool:
         """One token for every decoding stream: the batched passes `plan_decode` makes, then
@@ -909,9 +957,14 @@ class Conclave:
         return going
 
     def _take_own(self, stream: _Stream, logits: Logits) -> bool:
-        assert stream.resident is not None and stream.rng is not None
+        assert stream.resident is not None
         stream.resident.tokens.append(stream.next_token)
         stream.pos += 1
+        return self._draw(stream, logits)
+
+    def _draw(self, stream: _Stream, logits: Logits) -> bool:
+        """Sample the token after the stream's last cell from that cell's row's logits."""
+        assert stream.rng is not None
         token = sample(logits, stream.request.sampling, stream.rng)
         if llama_cpp.llama_vocab_is_eog(self._vocab, token):
             self._end(stream, "stop")
@@ -985,7 +1038,7 @@ class Conclave:
         with self._lock:
             self._committed -= 1
 
-    def _decode(self, rows: list[tuple[int, int, int]], logits: bool) -> None:
+    def _decode(self, rows: list[tuple[int, int, int]], logits: bool | list[bool]) -> None:
         fill_batch(self._batch, rows, logits)
         status = llama_cpp.llama_decode(self.llama.ctx, self._batch)
         if status != 0:

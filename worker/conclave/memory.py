@@ -80,7 +80,9 @@ class Memory:
         self._mem = mem
         self._block_tokens = block_tokens
         self._truncatable = truncatable
-        self.granule: int | None = None  # the kernels' (`restorable_tokens`), once checked
+        # The kernels' (`restorable_tokens`), once checked.
+        self.granule: int | None = None
+        self.shape_free = False
         self._n_seq = n_seq
         self._free = set(range(n_seq))
         self._residents: dict[int, Resident] = {}
@@ -121,6 +123,7 @@ class Memory:
                 breaks,
                 resident.breaks,
                 self.granule,
+                self.shape_free,
             )
             # Memory that cannot drop a tail is reused only when nothing follows the prefix.
             if not self._truncatable and len(resident.tokens) > kept:
