@@ -2,16 +2,16 @@
 
 Each turn of the loop (1) ends cancelled streams, (2) gives waiting streams a sequence when
 their cells fit, reusing the longest prefix memory or the disk cache holds, (3) prefills one
-canonical chunk of one stream (with other streams' short ones, within one chunk's rows), and
+chunk of one stream (with other streams' short ones, within one chunk's rows), and
 (4) decodes one token for every decoding stream in a single llama_decode (or several, where the
 streams outnumber the rows a pass may have and stay exact).
 So a long document is read one chunk at a time while the others keep decoding, and a short
 prompt's prefill goes before a long one's. Which streams start, which one prefills and which
 share a pass is decided apart from these passes, by plan.py.
 
-Exactness: a prefill chunk is always decoded alone, in the shape a lone run uses. With the
-kernels `make install` builds, a decode row computed beside others gets the logits it gets
-alone, bit for bit (`rows_invariant`, checked at start-up by row_check.py), so a batched step
+Exactness: a prefill chunk ends where a lone run's does (worker/chunk_ends.py), or anywhere
+where a prompt row reads alike in any pass (`_chunk_end`). With the kernels `make install`
+builds, a decode row computed beside others gets the logits it gets alone, bit for bit (`rows_invariant`, checked at start-up by row_check.py), so a batched step
 is exact as it is. With stock kernels it gets slightly different logits (docs/BENCHMARKS.md);
 then, with `exact`, a greedy row whose top two logits nearly tie is decided again after
 recomputing that stream's batched cells one token at a time (near_tie.py),
