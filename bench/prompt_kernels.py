@@ -6,7 +6,10 @@ read one row at a time too: a question's tail after a restored document, the las
 prompt past its last 256-token block. granary reads those with the batch kernels at any row
 count (deploy/llama-prompt-rows.patch), so short chunks of several streams can share a pass.
 Here, after a 700-token prefix, a tail chunk of n tokens is decoded with no logits (as granary
-prefills), on both settings of the switch, interleaved, in one process; medians of 15.
+prefills), on both settings of the switch, interleaved, in one process; medians of 15. Then what
+reading a prompt's last token in its last chunk saves (worker/conclave/loop.py, `_prompt_end`):
+the tail with that token's logits in one pass, against the tail less that token, then the token
+alone on the exact kernels.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from worker.decode_batch import fill_batch, llama_batch
 from worker.kernels import exact_rows, prompt_chunk_kernels
 
 TAILS = (4, 8, 12, 16, 24, 31, 32)
+LAST_TAILS = (12, 40, 110)
 PREFIX_TOKENS = 700
 REPEATS = 15
 TEXT = " ".join(
@@ -38,13 +42,14 @@ def tail_ms(
     context: int,
     n: int,
     kernels: AbstractContextManager[None],
+    last_logits: bool = False,
 ) -> float:
     """One pass of `tokens[context:context + n]` after the first `context` tokens (no logits,
-    as granary prefills), timed; the pass's cells are removed again."""
+    as granary prefills, or the last row's), timed; the pass's cells are removed again."""
     mem = llama_cpp.llama_get_memory(llama.ctx)
     tail = [(tokens[context + i], context + i, 0) for i in range(n)]
     with llama_batch(max(n, 1)) as batch:
-        fill_batch(batch, tail, logits=False)
+        fill_batch(batch, tail, [last_logits and i == n - 1 for i in range(n)])
         with kernels:
             started = time.perf_counter()
             if llama_cpp.llama_decode(llama.ctx, batch) != 0:
@@ -54,11 +59,13 @@ def tail_ms(
     return elapsed * 1000
 
 
-def _rows(settings: Settings) -> list[str]:
+def _rows(settings: Settings) -> tuple[list[str], list[str]]:
     llama = load_llama(settings)
     try:
         tokens = llama.tokenize(TEXT.encode(), add_bos=True)
-        assert len(tokens) >= PREFIX_TOKENS + max(TAILS), "the bench text is too short"
+        assert len(tokens) >= PREFIX_TOKENS + max(*TAILS, *LAST_TAILS), (
+            "the bench text is too short"
+        )
         llama.eval(tokens[:PREFIX_TOKENS])
         rows = []
         for n in TAILS:
@@ -72,9 +79,38 @@ def _rows(settings: Settings) -> list[str]:
                 f"| {settings.model} | {n} | {e:.1f} | {p:.1f} | {p / e:.2f}× | "
                 f"{n / p * 1000:.0f} |"
             )
-        return rows
+        return rows, [_last_row(settings.model, llama, tokens, n) for n in LAST_TAILS]
     finally:
         llama.close()
+
+
+def _last_row(model: str, llama: Llama, tokens: list[int], n: int) -> str:
+    """A prompt tail of n tokens, its last with logits: one pass on the prompt-chunk kernels,
+    against the rest then the last token alone on the exact kernels (as where prompt rows read
+    otherwise by pass); and that token alone on the prompt-chunk kernels (a restore up to it)."""
+    one: list[float] = []
+    two: list[float] = []
+    lone_exact: list[float] = []
+    lone_prompt: list[float] = []
+    before = PREFIX_TOKENS + n - 1
+    for _ in range(REPEATS):
+        one.append(tail_ms(llama, tokens, PREFIX_TOKENS, n, prompt_chunk_kernels(), True))
+        rest = tail_ms(llama, tokens, PREFIX_TOKENS, n - 1, prompt_chunk_kernels())
+        _read(llama, tokens, PREFIX_TOKENS, before)  # the rest's cells, untimed this time
+        lone_exact.append(tail_ms(llama, tokens, before, 1, nullcontext(), True))
+        two.append(rest + lone_exact[-1])
+        lone_prompt.append(tail_ms(llama, tokens, before, 1, prompt_chunk_kernels(), True))
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llama.ctx), 0, PREFIX_TOKENS, -1)
+    o, t = statistics.median(one), statistics.median(two)
+    e, a = statistics.median(lone_exact), statistics.median(lone_prompt)
+    return f"| {model} | {n} | {t:.1f} | {o:.1f} | {o - t:+.1f} | {e:.1f} | {a:.1f} |"
+
+
+def _read(llama: Llama, tokens: list[int], start: int, end: int) -> None:
+    with llama_batch(end - start) as batch, prompt_chunk_kernels():
+        fill_batch(batch, [(tokens[p], p, 0) for p in range(start, end)], logits=False)
+        if llama_cpp.llama_decode(llama.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
 
 
 def section(models: list[Settings]) -> str:
@@ -83,7 +119,14 @@ def section(models: list[Settings]) -> str:
             "\n\nNot measured: the installed llama-cpp-python has no `granary_exact_rows` "
             "switch (run `make install`).\n"
         )
-    return HEADER + "\n".join(row for settings in models for row in _rows(settings)) + "\n"
+    tables = [_rows(settings) for settings in models]
+    return (
+        HEADER
+        + "\n".join(row for chunks, _ in tables for row in chunks)
+        + LAST_HEADER
+        + "\n".join(row for _, last in tables for row in last)
+        + "\n"
+    )
 
 
 HEADER = """## A prompt chunk's kernels
@@ -102,4 +145,16 @@ lone short chunk pays for sharing.
 
 | model | chunk tokens | exact kernels ms | prompt-chunk kernels ms | ratio | prompt-chunk tok/s |
 |---|---|---|---|---|---|
+"""
+
+LAST_HEADER = """
+
+A prompt's last token, whose row gives the first token. Where a prompt row reads alike in any
+pass (the start-up checks), granary reads it in the prompt's last chunk, as llama-server does;
+elsewhere it is read after the chunk, alone, on the exact kernels. After the same prefix, a
+tail of n tokens both ways, and the last token alone on either kernels (what a prompt pays whose
+restore reached that token: a repeated one), medians of 15, interleaved.
+
+| model | tail tokens | tail, then the last token alone, ms | in one pass, ms | difference ms | last token alone, exact kernels, ms | the same, prompt-chunk kernels, ms |
+|---|---|---|---|---|---|---|
 """
