@@ -9,16 +9,16 @@ So a long document is read one chunk at a time while the others keep decoding, a
 prompt's prefill goes before a long one's. Which streams start, which one prefills and which
 share a pass is decided apart from these passes, by plan.py.
 
-Exactness: a prefill chunk ends where a lone run's does (worker/chunk_ends.py), or anywhere
-where a prompt row reads alike in any pass (`_chunk_end`). With the kernels `make install`
-builds, a decode row computed beside others gets the logits it gets alone, bit for bit (`rows_invariant`, checked at start-up by row_check.py), so a batched step
-is exact as it is. With stock kernels it gets slightly different logits (docs/BENCHMARKS.md);
-then, with `exact`, a greedy row whose top two logits nearly tie is decided again after
-recomputing that stream's batched cells one token at a time (near_tie.py),
-so greedy output does not depend on what else runs. Such a replay costs a lone decode for
-every cell since the stream's last exact one, so a stream that met a near tie is decoded alone
-from then on: on free text ties come every few tokens, and batching it would cost more than the
-lone decodes it saves; a confident stream (an extraction's short answers) stays in the batch.
+Exactness: a prefill chunk ends where a lone run's does (worker/chunk_ends.py), or anywhere where a
+prompt row reads alike in any pass (`_chunk_end`). With the kernels `make install` builds, a decode
+row computed beside others gets the logits it gets alone, bit for bit (`rows_invariant`, checked at
+start-up by row_check.py), so a batched step is exact as it is. With stock kernels it gets slightly
+different logits (docs/BENCHMARKS.md); then, with `exact`, a greedy row whose top two logits nearly
+tie is decided again after recomputing that stream's batched cells one token at a time
+(near_tie.py), so greedy output does not depend on what else runs. Such a replay costs a lone
+decode for every cell since the stream's last exact one, so a stream that met a near tie is decoded
+alone from then on: on free text ties come every few tokens, and batching it would cost more than
+the lone decodes it saves; a confident stream (an extraction's short answers) stays in the batch.
 """
 
 from __future__ import annotations
