@@ -330,6 +330,29 @@ def test_a_granule_lets_a_restore_end_inside_a_chunk(
     assert restorable_tokens(common, stored, 299, 128, truncatable, breaks, stored_breaks) <= got
 
 
+@pytest.mark.parametrize(
+    ("common", "stored", "breaks", "stored_breaks", "truncatable", "expected"),
+    [
+        (150, 200, (100,), (120,), True, 150),  # cut back to the last shared token
+        (250, 200, (), (), True, 200),  # a whole state, ending inside a chunk
+        (400, 400, (), (), True, 299),  # never past the token read fresh
+        (150, 200, (), (), False, 0),  # a memory that cannot be cut: not inside the state
+        (250, 200, (100,), (), False, 200),  # but the whole of one, wherever it ends
+    ],
+)
+def test_where_rows_are_shape_free_a_restore_ends_at_any_shared_token(
+    common: int,
+    stored: int,
+    breaks: tuple[int, ...],
+    stored_breaks: tuple[int, ...],
+    truncatable: bool,
+    expected: int,
+) -> None:
+    got = restorable_tokens(common, stored, 299, 128, truncatable, breaks, stored_breaks, 1, True)
+    assert got == expected
+    assert restorable_tokens(common, stored, 299, 128, truncatable, breaks, stored_breaks, 1) <= got
+
+
 def test_lookup_restores_a_document_prefix_ending_mid_block() -> None:
     cache = saved(False, P)  # 20 tokens: a document prefix, block size 8
     prompt = [*P, 7, 8, 9]
