@@ -152,9 +152,9 @@ LAST_HEADER = """
 A prompt's last token, whose row gives the first token. Where a prompt row reads alike in any
 pass (the start-up checks) and states can be cut (not Gemma-3's sliding window), granary reads
 it in the prompt's last chunk, as llama-server does; elsewhere after the chunk, alone, on the
-exact kernels. After the same prefix, a
-tail of n tokens both ways, and the last token alone on either kernels (what a prompt pays whose
-restore reached that token: a repeated one), medians of 15, interleaved.
+exact kernels. After the same prefix, a tail of n tokens both ways, and the last token alone on
+either kernels (what a prompt pays whose restore reached that token: a repeated one), medians
+of 15, interleaved.
 
 | model | tail tokens | tail, then the last token alone, ms | in one pass, ms | difference ms | last token alone, exact kernels, ms | the same, prompt-chunk kernels, ms |
 |---|---|---|---|---|---|---|

@@ -308,7 +308,7 @@ class Conclave:
             return
         self.rows_invariant = facts.rows_invariant
         self._chunks_share_passes = facts.shared_prompt_passes
-        self._use_granule(facts.granule, facts.shared_prompt_passes)
+        self._use_granule(facts.granule, self._chunks_share_passes)
         started.put(None)
         while True:
             with self._lock:
