@@ -5,7 +5,8 @@ the system message, the question as the user message; Qwen2.5-Coder-0.5B-Instruc
 greedy, answers of at most 16 tokens), asked three ways: one `/v1/extractions` job per
 document (granary only; all submitted at once), an OpenAI client asking one question at a time,
 and an OpenAI client with 8 questions in flight (in document order, as a thread pool takes
-them). granary (as configured by default) and llama-server (`-np 8
+them). granary (as configured by default; and for the extraction jobs, with a sequence for
+every question of the three at once) and llama-server (`-np 8
 -kvu`, built from the same llama.cpp) run side by side and take turns, round by round (each
 client of each system once per round, in an order that rotates), each on
 documents new to all. The ratio is taken per round:
@@ -36,7 +37,7 @@ from bench.paired import (
     ratio_summary,
 )
 from shared.settings import Settings
-from tests.harness import Stack
+from tests.harness import Stack, free_port
 
 DOCUMENTS = 3
 QUESTIONS = (
@@ -54,6 +55,10 @@ MAX_TOKENS = 16
 IN_FLIGHT = 8
 PEER = "llama-server -np 8 -kvu"
 GRANARY = "granary"
+# More sequences than the default (max_active_jobs + 4 = 12): every question of the three
+# extraction jobs, and each document, has one at once (docs/CONFIGURATION.md, memory).
+WIDE_SEQUENCES = DOCUMENTS * (len(QUESTIONS) + 1) + 1
+GRANARY_WIDE = f"granary, worker.sequences {WIDE_SEQUENCES}"
 ONE_AT_A_TIME = "OpenAI client, one question at a time"
 EIGHT_IN_FLIGHT = f"OpenAI client, {IN_FLIGHT} questions in flight"
 EXTRACTIONS = "`POST /v1/extractions`, one job per document"
@@ -145,18 +150,17 @@ def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int)
     timed: dict[tuple[str, str], list[Timed]] = {}
     foreign: list[float] = []
     with ExitStack() as running:
-        # A cache of its own: states an earlier run saved would answer its documents at once.
-        run_dir = Path(tempfile.mkdtemp(dir=log_dir, prefix="first-read-"))
-        cache = settings.cache.model_copy(update={"dir": run_dir / "kv"})
-        stack = Stack(settings.model_copy(update={"cache": cache}), run_dir)
-        running.callback(stack.stop)
-        stack.start()
-        systems = {GRANARY: (stack.url, {EXTRACTIONS: _extractions, **CHAT_CLIENTS})}
+        default = _granary(running, settings, log_dir, settings.worker.sequences, db=1)
+        wide = _granary(running, settings, log_dir, WIDE_SEQUENCES, db=2)
+        systems: dict[str, tuple[str, Clients]] = {
+            GRANARY: (default, {EXTRACTIONS: _extractions, **CHAT_CLIENTS}),
+            GRANARY_WIDE: (wide, {EXTRACTIONS: _extractions}),
+        }
         if server is not None and server.exists():
             url = running.enter_context(llama_server(server, settings, log_dir))[0]
             systems[PEER] = (url, CHAT_CLIENTS)
         for url, clients in systems.values():  # load pages, nothing measured
-            clients[ONE_AT_A_TIME](url, [document(1, 2)])
+            next(iter(clients.values()))(url, [document(1, 2)])
         seed = 10_000
         asks = [(name, client) for name, (_, clients) in systems.items() for client in clients]
         for k in range(rounds):
@@ -169,6 +173,28 @@ def section(settings: Settings, log_dir: Path, server: Path | None, rounds: int)
                     )
             foreign.append(cpu.share)
     return _render(timed, foreign)
+
+
+def _granary(
+    running: ExitStack, settings: Settings, log_dir: Path, sequences: int | None, db: int
+) -> str:
+    """A stack of its own (its own port, and Redis database: its own queues); its URL."""
+    # A cache of its own: states an earlier run saved would answer its documents at once.
+    run_dir = Path(tempfile.mkdtemp(dir=log_dir, prefix="first-read-"))
+    cache = settings.cache.model_copy(update={"dir": run_dir / "kv"})
+    worker = settings.worker.model_copy(update={"sequences": sequences})
+    chosen = settings.model_copy(
+        update={
+            "cache": cache,
+            "worker": worker,
+            "redis_url": f"{settings.redis_url}?db={db}",
+            "api": settings.api.model_copy(update={"port": free_port()}),
+        }
+    )
+    stack = Stack(chosen, run_dir)
+    running.callback(stack.stop)
+    stack.start()
+    return stack.url
 
 
 def _render(timed: dict[tuple[str, str], list[Timed]], foreign: list[float]) -> str:
@@ -195,7 +221,7 @@ def _render(timed: dict[tuple[str, str], list[Timed]], foreign: list[float]) -> 
             same = ratio_summary(per_round(peer, seconds))
         if name != PEER and peer_best:
             best = ratio_summary(per_round(peer_best, seconds))
-        targets = _targets(client) if name != PEER else "–"
+        targets = _targets(client) if name == GRANARY else "–"
         lines.append(
             f"| {client} | {name} | {statistics.median(seconds):.1f} | {reused} | {same} | "
             f"{best} | {targets} |"
