@@ -51,6 +51,10 @@ def record_job(redis: Redis, usage: Usage, timings: Timings) -> None:
 
 
 SPECULATION_COUNTERS = ("speculation_drafted_tokens", "speculation_accepted_tokens")
+# The model's work, by what it read: prompt chunks or decode steps (a row is a token read).
+# Counted by each worker's Conclave in whole milliseconds inside llama_decode, and rows.
+MODEL_WORK = ("prompt", "decode")
+MODEL_COUNTERS = tuple(f"model_{work}_{unit}" for work in MODEL_WORK for unit in ("ms", "rows"))
 
 
 def record_speculation(redis: Redis, report: SpeculationReport) -> None:

@@ -9,8 +9,10 @@ from functools import partial
 import llama_cpp
 from redis import Redis
 
+from shared import keys
+from shared.counter_deltas import CounterPublisher, Source
 from shared.job_store import JobStore
-from shared.prefix_cache import CounterPublisher, PrefixCache, open_cache
+from shared.prefix_cache import PrefixCache, open_cache
 from shared.prefix_cache.fingerprint import cache_fingerprint
 from shared.redis_outage import RedisWaiter
 from shared.redis_server import connect
@@ -145,7 +147,10 @@ def run_worker(settings: Settings) -> None:
         settings.worker.max_active_jobs,
     )
     store = JobStore(redis, settings.jobs.result_ttl_s)
-    counters = CounterPublisher(redis, engine.cache) if engine.cache is not None else None
+    sources: list[Source] = [(keys.metrics_counters(), engine.conclave.model_counters)]
+    if engine.cache is not None:
+        sources.append((keys.cache_counters(engine.cache.fingerprint), engine.cache.counters))
+    counters = CounterPublisher(redis, sources)
     interval_s = settings.worker.stream_interval_ms / 1000
     warm_runs = WarmRuns(redis, store, settings)
     results = open_results(redis, settings)
@@ -159,8 +164,7 @@ def run_worker(settings: Settings) -> None:
         worker.work(logging_level=settings.log_level)
     finally:
         engine.close()
-        if counters is not None:  # the snapshots written just now count too
-            counters.publish()
+        counters.publish()  # the snapshots written just now count too
 
 
 def _rq_worker(
@@ -168,14 +172,13 @@ def _rq_worker(
     settings: Settings,
     waiter: RedisWaiter,
     engine: ConclaveEngine,
-    counters: CounterPublisher | None,
+    counters: CounterPublisher,
 ) -> ConclaveWorker:
     conclave = engine.conclave
 
     def forget() -> None:
         engine.forget()
-        if counters is not None:  # the snapshots it wrote count now, not at the next job's end
-            counters.publish()
+        counters.publish()  # the snapshots it wrote count now, not at the next job's end
 
     return ConclaveWorker(
         redis,

@@ -16,9 +16,9 @@ from rq import get_current_job
 from rq.job import Job
 
 from shared import keys
+from shared.counter_deltas import CounterPublisher
 from shared.job_metrics import record_job, record_speculation, record_votes
 from shared.job_store import JobStore
-from shared.prefix_cache import CounterPublisher
 from shared.prefix_usage import PrefixUsage
 from shared.queues import QUEUES, queue
 from shared.redis_outage import REDIS_DOWN, RedisWaiter
@@ -153,6 +153,8 @@ class Runtime:
         queued_ms = ((view.started_at or view.created_at) - view.created_at) * 1000
         timings = done.timings.model_copy(update={"queued_ms": queued_ms})
         status = JobStatus.CANCELLED if cancelled else JobStatus.FINISHED
+        if self._counters is not None:  # before the job ends: whoever sees it sees its counts
+            self._counters.publish()
         self.store.finish(
             job_id,
             status,
@@ -171,8 +173,6 @@ class Runtime:
             record_speculation(self._redis, speculation)
         if isinstance(result, ExtractionResult) and not cancelled:
             record_votes(self._redis, result)
-        if self._counters is not None:
-            self._counters.publish()
 
     def _store_result(
         self, job_id: str, key: ResultKey, result: JobResult | ExtractionResult, usage: Usage

@@ -97,6 +97,7 @@ class GranaryCollector(Collector):
             yield CounterMetricFamily(
                 f"granary_{name}", f"{name.replace('_', ' ')}", value=counters.get(name, 0)
             )
+        yield from _model_work(counters)
         for name in job_metrics.HISTOGRAMS:
             data = job_metrics.read_histogram(redis, name)
             buckets = [("+Inf" if b == float("inf") else f"{b:g}", c) for b, c in data.buckets]
@@ -125,3 +126,19 @@ def metrics(state: State) -> Response:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(GranaryCollector(state))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _model_work(counters: dict[str, int]) -> Iterator[Metric]:
+    """Every worker's model work: seconds inside llama_decode and rows read, by what was read.
+    Their rate over the wall time is how busy the workers' models are."""
+    seconds = CounterMetricFamily(
+        "granary_model_seconds", "Seconds the models spent reading", labels=["work"]
+    )
+    rows = CounterMetricFamily(
+        "granary_model_rows", "Rows (tokens) the models read", labels=["work"]
+    )
+    for work in job_metrics.MODEL_WORK:
+        seconds.add_metric([work], counters.get(f"model_{work}_ms", 0) / 1000)
+        rows.add_metric([work], counters.get(f"model_{work}_rows", 0))
+    yield seconds
+    yield rows

@@ -21,7 +21,7 @@ from shared.prefix_cache.cache import (
     open_cache,
     restorable_tokens,
 )
-from shared.prefix_cache.counters import CounterPublisher, cache_report, read_counters
+from shared.prefix_cache.counters import cache_report, read_counters
 from shared.prefix_cache.fingerprint import configured_fingerprint
 from shared.prefix_cache.keys import common_prefix_len
 from shared.prefix_cache.state_layout import Layout as StateLayout
@@ -31,7 +31,6 @@ from shared.prefix_cache.state_layout import parse as parse_state
 __all__ = [
     "COUNTERS",
     "CacheHit",
-    "CounterPublisher",
     "PrefixCache",
     "ReadOffer",
     "StateLayout",

@@ -1,12 +1,11 @@
 """Prefix-cache counters of every worker, summed in Redis so the API and CLI can show them.
 
-Workers count hits, misses and bytes in memory and add what changed after each job; entries
-and bytes on disk are read from the cache directory itself, which stays the source of truth.
+Workers count hits, misses and bytes in memory and add what changed after each job
+(shared/counter_deltas.py); entries and bytes on disk are read from the cache directory itself,
+which stays the source of truth.
 """
 
 from __future__ import annotations
-
-import threading
 
 from redis import Redis
 
@@ -14,32 +13,6 @@ from shared import keys
 from shared.prefix_cache.cache import COUNTERS, PrefixCache
 from shared.schemas import CacheReport
 from shared.settings import Settings
-
-
-class CounterPublisher:
-    def __init__(self, redis: Redis, cache: PrefixCache) -> None:
-        self._redis = redis
-        self._cache = cache
-        self._published: dict[str, int] = {}
-        # Jobs end on threads of their own: two publishing at once would add one change twice.
-        self._lock = threading.Lock()
-
-    def publish(self) -> None:
-        with self._lock:
-            self._publish()
-
-    def _publish(self) -> None:
-        current = self._cache.counters()
-        deltas = {k: v - self._published.get(k, 0) for k, v in current.items()}
-        deltas = {k: v for k, v in deltas.items() if v}
-        if not deltas:
-            return
-        key = keys.cache_counters(self._cache.fingerprint)
-        with self._redis.pipeline(transaction=False) as pipe:
-            for name, delta in deltas.items():
-                pipe.hincrby(key, name, delta)
-            pipe.execute()
-        self._published = current
 
 
 def read_counters(redis: Redis, fingerprint: str) -> dict[str, int]:

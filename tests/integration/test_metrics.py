@@ -44,6 +44,17 @@ def test_metrics_reflect_jobs_and_a_cache_hit(stack_factory: Callable[..., Stack
     assert after["granary_prompt_tokens_total{}"] == prompt
     assert after["granary_cached_tokens_total{}"] == second["usage"]["cached_tokens"] > 0
     assert after["granary_completion_tokens_total{}"] == 8
+    # The model's work: every prompt token not reused, and every token written but the last
+    # (a disk restore may add a row of its own before it, a prompt's last token may be read
+    # as a decode row).
+    assert before["granary_model_rows_total{work=prompt}"] == 0
+    read = after["granary_model_rows_total{work=prompt}"]
+    written = after["granary_model_rows_total{work=decode}"]
+    computed = prompt - second["usage"]["cached_tokens"]
+    assert computed - 2 <= read <= computed
+    assert computed + 8 - 2 <= read + written <= computed + 8 - 2 + 1
+    assert after["granary_model_seconds_total{work=prompt}"] > 0
+    assert after["granary_model_seconds_total{work=decode}"] > 0
     assert after["granary_time_to_first_token_seconds_count{}"] == 2
     assert after["granary_queue_wait_seconds_count{}"] == 2
     assert after["granary_time_to_first_token_seconds_bucket{le=+Inf}"] == 2

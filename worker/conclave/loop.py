@@ -39,6 +39,7 @@ import numpy.typing as npt
 from llama_cpp import Llama
 
 from shared.errors import ContextOverflow
+from shared.job_metrics import MODEL_COUNTERS
 from shared.prefix_cache import (
     CacheHit,
     PrefixCache,
@@ -198,6 +199,9 @@ class Conclave:
         self.twin_rows = 0  # tokens drawn from another stream's row (`_pair_twins`)
         # Batched passes llama.cpp ran as several, their sequences not one run (memory.py).
         self.split_passes = 0
+        # The model's work so far, by what it read: whole milliseconds and rows, as /metrics
+        # shows them (`model_counters`); only the model thread writes them.
+        self._model_work = dict.fromkeys(MODEL_COUNTERS, 0.0)
         self._max_rows = exact_row_limit()
         mem = llama_cpp.llama_get_memory(llama.ctx)
         self._mem = mem
@@ -679,7 +683,7 @@ class Conclave:
         with prompt_chunk_kernels():
             for start in range(0, len(rows), self.llama.n_batch):
                 piece = range(start, min(start + self.llama.n_batch, len(rows)))
-                self._decode(rows[piece.start : piece.stop], [r in wanted for r in piece])
+                self._decode(rows[piece.start : piece.stop], [r in wanted for r in piece], True)
                 for i, row in enumerate(piece):
                     if row in wanted:  # copied: the next pass overwrites them
                         logits[row] = self._logits(i).copy()
@@ -1038,12 +1042,23 @@ class Conclave:
         with self._lock:
             self._committed -= 1
 
-    def _decode(self, rows: list[tuple[int, int, int]], logits: bool | list[bool]) -> None:
+    def _decode(
+        self, rows: list[tuple[int, int, int]], logits: bool | list[bool], prompt: bool = False
+    ) -> None:
+        """One llama_decode call; `prompt`: it reads prompt chunks (else decode rows)."""
         fill_batch(self._batch, rows, logits)
+        started = time.perf_counter()
         status = llama_cpp.llama_decode(self.llama.ctx, self._batch)
+        work = "prompt" if prompt else "decode"
+        self._model_work[f"model_{work}_ms"] += (time.perf_counter() - started) * 1000
+        self._model_work[f"model_{work}_rows"] += len(rows)
         if status != 0:
             raise RuntimeError(f"llama_decode failed with status {status}")
         self._memory.copies_made()
+
+    def model_counters(self) -> dict[str, int]:
+        """What the model has read so far (`MODEL_COUNTERS`), for any thread."""
+        return {name: int(value) for name, value in self._model_work.copy().items()}
 
     def _logits(self, row: int) -> Logits:
         pointer = llama_cpp.llama_get_logits_ith(self.llama.ctx, row)
