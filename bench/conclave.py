@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import httpx
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.paired import (
     ForeignCpu,
@@ -179,12 +180,54 @@ async def _long_and_short(url: str, doc: str, shorts: list[str]) -> tuple[Reply,
 
 
 @dataclass(frozen=True, slots=True)
+class ModelWork:
+    """Seconds a granary worker's model spent reading prompt chunks and decode steps, and the
+    rows it read (its /metrics)."""
+
+    prompt_s: float
+    decode_s: float
+    prompt_rows: int
+    decode_rows: int
+
+    def __sub__(self, before: ModelWork) -> ModelWork:
+        return ModelWork(
+            self.prompt_s - before.prompt_s,
+            self.decode_s - before.decode_s,
+            self.prompt_rows - before.prompt_rows,
+            self.decode_rows - before.decode_rows,
+        )
+
+
+def model_work(url: str) -> ModelWork | None:
+    """granary's /metrics so far; None for a server without them (llama-server's are off)."""
+    response = httpx.get(f"{url}/metrics", timeout=30)
+    if response.status_code != 200:
+        return None
+    samples = {
+        (sample.name, sample.labels.get("work")): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name in ("granary_model_seconds_total", "granary_model_rows_total")
+    }
+    if not samples:
+        return None
+    return ModelWork(
+        samples[("granary_model_seconds_total", "prompt")],
+        samples[("granary_model_seconds_total", "decode")],
+        int(samples[("granary_model_rows_total", "prompt")]),
+        int(samples[("granary_model_rows_total", "decode")]),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class LoadRow:
     system: str
     clients: int
     tok_s: float
     ttft_p50: float
     ttft_max: float  # the slowest request's
+    wall_s: float = 0.0
+    work: ModelWork | None = None  # the model's during the round (granary only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,11 +257,14 @@ def load_round(url: str, system: str, n: int, offset: int) -> LoadRow:
     texts = [
         [prompt(offset + n * 100 + i * REQUESTS + k) for k in range(REQUESTS)] for i in range(n)
     ]
+    before = model_work(url)
     replies = asyncio.run(_clients(url, texts, MAX_TOKENS))
+    after = model_work(url)  # each job's counts reach Redis before the job ends
     wall = max(r.ended for r in replies) - min(r.started for r in replies)
     tokens = sum(r.tokens for r in replies)
     ttfts = [r.ttft for r in replies]
-    return LoadRow(system, n, tokens / wall, statistics.median(ttfts), max(ttfts))
+    work = None if before is None or after is None else after - before
+    return LoadRow(system, n, tokens / wall, statistics.median(ttfts), max(ttfts), wall, work)
 
 
 def measure(
@@ -403,6 +449,7 @@ def _render(
         )
     if not peer:
         lines += ["", no_peer_line("column")]
+    lines += _work_lines(loads)
     lines += [
         "",
         "A ~3,000-token document question, and four short chats arriving 1 s later "
@@ -429,6 +476,37 @@ def _render(
         )
     lines += ["", foreign_line(foreign)]
     return "\n".join(lines) + "\n"
+
+
+def _work_lines(loads: dict[tuple[str, int], list[LoadRow]]) -> list[str]:
+    """Where granary's rounds went: the model's time inside llama.cpp over the round's wall
+    time, split by what it read, and how fast it read (medians over rounds)."""
+    lines = [
+        "",
+        "Where granary's time went (its /metrics around each round): the model's seconds inside "
+        "llama.cpp as a share of the round's wall time, by what it read, and the rows (tokens) "
+        "it read per second of each.",
+        "",
+        "| system | clients | model busy | prompt chunks | decode steps | prompt rows/s | "
+        "decode rows/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (name, clients), rows in loads.items():
+        measured = [(r.wall_s, r.work) for r in rows if r.work is not None]
+        if not measured:
+            continue
+        lines.append(
+            f"| {name} | {clients} | "
+            f"{_share(measured, lambda w: w.prompt_s + w.decode_s)} | "
+            f"{_share(measured, lambda w: w.prompt_s)} | {_share(measured, lambda w: w.decode_s)} | "
+            f"{statistics.median(w.prompt_rows / w.prompt_s for _, w in measured if w.prompt_s):.0f} | "
+            f"{statistics.median(w.decode_rows / w.decode_s for _, w in measured if w.decode_s):.0f} |"
+        )
+    return lines
+
+
+def _share(measured: list[tuple[float, ModelWork]], seconds: Callable[[ModelWork], float]) -> str:
+    return f"{statistics.median(seconds(w) / wall for wall, w in measured):.0%}"
 
 
 def _tok_s(row: LoadRow) -> float:
