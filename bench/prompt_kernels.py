@@ -9,7 +9,10 @@ Here, after a 700-token prefix, a tail chunk of n tokens is decoded with no logi
 prefills), on both settings of the switch, interleaved, in one process; medians of 15. Then what
 reading a prompt's last token in its last chunk saves (worker/conclave/loop.py, `_prompt_end`):
 the tail with that token's logits in one pass, against the tail less that token, then the token
-alone on the exact kernels.
+alone on the exact kernels. Last, several question tails of unequal lengths after one document,
+a sequence each, in one call: as llama.cpp splits such a call (one pass per run of consecutive
+sequences and per remaining length, `split_equal`), against the same tails padded to one length
+(one pass; the padding's cells removed after).
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ from shared.llm import load_llama
 from shared.settings import Settings
 from worker.decode_batch import fill_batch, llama_batch
 from worker.kernels import exact_rows, prompt_chunk_kernels
+from worker.model import load_model
 
 TAILS = (4, 8, 12, 16, 24, 31, 32)
 LAST_TAILS = (12, 40, 110)
 PREFIX_TOKENS = 700
 REPEATS = 15
+# Eight question tails after one document, of the lengths chat questions take (tokens).
+TAIL_LENGTHS = (11, 12, 12, 13, 11, 14, 12, 13)
+DOCUMENT_TOKENS = 570
 TEXT = " ".join(
     f"Row {i}: {i * 11 % 17} sacks of barley from field {i % 7}, weighed on day {i * 5 % 31}."
     for i in range(120)
@@ -113,6 +120,51 @@ def _read(llama: Llama, tokens: list[int], start: int, end: int) -> None:
             raise RuntimeError("llama_decode failed")
 
 
+def _tails_row(settings: Settings) -> str:
+    """TAIL_LENGTHS tails on sequences 1..8 after the document in each, read in one call three
+    ways, interleaved: as they are (consecutive sequences), padded to the longest (one pass),
+    and on every other sequence (runs of one). Medians of REPEATS."""
+    llama = load_model(settings, 2 * len(TAIL_LENGTHS) + 1)
+    mem = llama_cpp.llama_get_memory(llama.ctx)
+    try:
+        tokens = llama.tokenize(TEXT.encode(), add_bos=True)
+        for start in range(0, DOCUMENT_TOKENS, 256):  # canonical chunks, within n_batch
+            _read(llama, tokens, start, min(start + 256, DOCUMENT_TOKENS))
+        seqs = range(1, 2 * len(TAIL_LENGTHS) + 1)
+        for seq in seqs:
+            llama_cpp.llama_memory_seq_cp(mem, 0, seq, -1, -1)
+        longest = max(TAIL_LENGTHS)
+        ways: dict[str, list[float]] = {"split": [], "padded": [], "gaps": []}
+        for _ in range(REPEATS):
+            for way, times in ways.items():
+                step = 2 if way == "gaps" else 1
+                lengths = [longest] * len(TAIL_LENGTHS) if way == "padded" else TAIL_LENGTHS
+                rows = [
+                    (tokens[DOCUMENT_TOKENS + i], DOCUMENT_TOKENS + i, 1 + k * step)
+                    for k, n in enumerate(lengths)
+                    for i in range(n)
+                ]
+                times.append(_timed_read(llama, rows))
+                for seq in seqs:
+                    llama_cpp.llama_memory_seq_rm(mem, seq, DOCUMENT_TOKENS, -1)
+    finally:
+        llama.close()
+    split, padded, gaps = (statistics.median(t) for t in ways.values())
+    return (
+        f"| {settings.model} | {', '.join(map(str, TAIL_LENGTHS))} | {split:.1f} | "
+        f"{padded:.1f} | {gaps:.1f} | {split - padded:+.1f} |"
+    )
+
+
+def _timed_read(llama: Llama, rows: list[tuple[int, int, int]]) -> float:
+    with llama_batch(len(rows)) as batch, prompt_chunk_kernels():
+        fill_batch(batch, rows, logits=False)
+        started = time.perf_counter()
+        if llama_cpp.llama_decode(llama.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return (time.perf_counter() - started) * 1000
+
+
 def section(models: list[Settings]) -> str:
     if exact_rows() is None:
         return HEADER.split("\n", 1)[0] + (
@@ -125,6 +177,8 @@ def section(models: list[Settings]) -> str:
         + "\n".join(row for chunks, _ in tables for row in chunks)
         + LAST_HEADER
         + "\n".join(row for _, last in tables for row in last)
+        + TAILS_HEADER
+        + "\n".join(_tails_row(settings) for settings in models)
         + "\n"
     )
 
@@ -158,4 +212,19 @@ of 15, interleaved.
 
 | model | tail tokens | tail, then the last token alone, ms | in one pass, ms | difference ms | last token alone, exact kernels, ms | the same, prompt-chunk kernels, ms |
 |---|---|---|---|---|---|---|
+"""
+
+TAILS_HEADER = """
+
+Question tails beside each other: an extraction's questions, or chats about one document
+arriving together, read their tails in one call, a sequence each. With a KV buffer per sequence
+llama.cpp splits such a call into one pass per run of consecutive sequence ids and per length
+left (`split_equal`), each reading every weight again. After a document of 570 tokens in each
+sequence, eight tails of the lengths below, in one call, on the prompt-chunk kernels: as they
+are (sequences 1-8), padded to the longest (one pass; what padding would save, the padding's
+cells dropped after), and on every other sequence (each a run of its own), interleaved, medians
+of 15.
+
+| model | tail tokens | as llama.cpp splits them, ms | padded to one pass, ms | on every other sequence, ms | padding saves, ms |
+|---|---|---|---|---|---|
 """
