@@ -54,6 +54,7 @@ SWEEP_CLIENTS = 16
 MAX_TOKENS = 64
 REQUESTS = 2  # per client in A, one after another
 SHORT_TOKENS = 16
+LONE_REQUESTS = 12  # one client's lone chats per system, the systems in turn request by request
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,15 +403,47 @@ def section(
             foreign.append(cpu.share)
             if peer_failure is not None:
                 systems.pop(PEER, None)
+        lone = lone_ttfts({name: url for name, (url, _) in systems.items()}, 900_000)
     if peer_failure is not None:
         loads = {key: rows for key, rows in loads.items() if key[0] != PEER}
         mixes.pop(PEER, None)
     text = _render(loads, mixes, foreign, peer=peer and peer_failure is None)
+    text += _lone_lines(lone)
     if peer_failure is not None:
         text += f"\nllama-server FAILED during this run:\n\n```\n{peer_failure}\n```\n"
     if stock_site is None:
         text += "\nThe stock kernels were not given (`make wheel-stock`): no rows for them.\n"
     return text
+
+
+def lone_ttfts(urls: dict[str, str], offset: int) -> dict[str, list[float]]:
+    """One client's time to first token, request by request, every system in turn (the order
+    rotating): a distinct ~115-token chat each time, LONE_REQUESTS per system."""
+    ttfts: dict[str, list[float]] = {name: [] for name in urls}
+    for i in range(LONE_REQUESTS):
+        for j, (name, url) in in_turn(list(enumerate(urls.items())), i):
+            reply = asyncio.run(_at_once(url, [prompt(offset + 100 * i + j)], 2))[0]
+            ttfts[name].append(reply.ttft)
+    return ttfts
+
+
+def _lone_lines(lone: dict[str, list[float]]) -> str:
+    if PEER not in lone:
+        return ""
+    lines = [
+        "",
+        f"One client, one chat at a time, {LONE_REQUESTS} requests per system (distinct ~115-token "
+        "chats), the systems in turn request by request: the median TTFT, and its ratio to the "
+        "peer's request by request (median and range). Target (issue 32): 1 client TTFT ≤ the "
+        "peer's.",
+        "",
+        "| system | TTFT median s | TTFT vs peer |",
+        "|---|---|---|",
+    ]
+    for name, ttfts in lone.items():
+        versus = "–" if name == PEER else ratio_summary(per_round(ttfts, lone[PEER]))
+        lines.append(f"| {name} | {statistics.median(ttfts):.3f} | {versus} |")
+    return "\n".join(lines) + "\n"
 
 
 def _render(
