@@ -304,53 +304,43 @@ def test_usable_with_breaks(
     assert got == expected
 
 
-@pytest.mark.parametrize(
-    ("common", "stored", "breaks", "stored_breaks", "truncatable", "expected"),
-    [
-        (203, 230, (), (), True, 200),  # a multiple of 4 inside the block from 128
-        (240, 250, (), (), True, 224),  # 32 tokens left to read in the chunk, at least
-        (203, 230, (150,), (150,), True, 202),  # ... from the shared break at 150, a chunk start
-        (159, 230, (), (), True, 128),  # fewer than 32 tokens of the chunk read before it
-        (240, 250, (200,), (), True, 168),  # the state ended no chunk at 200, this prompt does
-        (203, 230, (), (), False, 0),  # memory that cannot be cut back keeps the old rule
-        (256, 256, (), (), False, 256),
-        (290, 300, (), (), True, 264),  # the last chunk ends at the limit, 299: 32 before it
-    ],
-)
-def test_a_granule_lets_a_restore_end_inside_a_chunk(
-    common: int,
-    stored: int,
-    breaks: tuple[int, ...],
-    stored_breaks: tuple[int, ...],
-    truncatable: bool,
-    expected: int,
-) -> None:
-    got = restorable_tokens(common, stored, 299, 128, truncatable, breaks, stored_breaks, 4)
-    assert got == expected
-    assert restorable_tokens(common, stored, 299, 128, truncatable, breaks, stored_breaks) <= got
+# (common, stored, breaks, stored_breaks, truncatable, expected) against a limit of 299 tokens
+# in 128-token chunks. Granule 4: a restore may end inside a chunk at a multiple of 4.
+GRANULE_4 = [
+    (203, 230, (), (), True, 200),  # a multiple of 4 inside the block from 128
+    (240, 250, (), (), True, 224),  # 32 tokens left to read in the chunk, at least
+    (203, 230, (150,), (150,), True, 202),  # ... from the shared break at 150, a chunk start
+    (159, 230, (), (), True, 128),  # fewer than 32 tokens of the chunk read before it
+    (240, 250, (200,), (), True, 168),  # the state ended no chunk at 200, this prompt does
+    (203, 230, (), (), False, 0),  # memory that cannot be cut back keeps the old rule
+    (256, 256, (), (), False, 256),
+    (290, 300, (), (), True, 264),  # the last chunk ends at the limit, 299: 32 before it
+]
+# Shape-free rows (granule 1, prompt pieces that share passes): at any shared token.
+SHAPE_FREE = [
+    (150, 200, (100,), (120,), True, 150),  # cut back to the last shared token
+    (250, 200, (), (), True, 200),  # a whole state, ending inside a chunk
+    (400, 400, (), (), True, 299),  # never past the token read fresh
+    (150, 200, (), (), False, 0),  # a memory that cannot be cut: not inside the state
+    (250, 200, (100,), (), False, 200),  # but the whole of one, wherever it ends
+]
 
 
 @pytest.mark.parametrize(
-    ("common", "stored", "breaks", "stored_breaks", "truncatable", "expected"),
-    [
-        (150, 200, (100,), (120,), True, 150),  # cut back to the last shared token
-        (250, 200, (), (), True, 200),  # a whole state, ending inside a chunk
-        (400, 400, (), (), True, 299),  # never past the token read fresh
-        (150, 200, (), (), False, 0),  # a memory that cannot be cut: not inside the state
-        (250, 200, (100,), (), False, 200),  # but the whole of one, wherever it ends
-    ],
+    ("granule", "shape_free", "case"),
+    [(4, False, case) for case in GRANULE_4] + [(1, True, case) for case in SHAPE_FREE],
 )
-def test_where_rows_are_shape_free_a_restore_ends_at_any_shared_token(
-    common: int,
-    stored: int,
-    breaks: tuple[int, ...],
-    stored_breaks: tuple[int, ...],
-    truncatable: bool,
-    expected: int,
+def test_a_restore_ends_inside_a_chunk_by_the_granule_or_at_any_token_where_shape_free(
+    granule: int,
+    shape_free: bool,
+    case: tuple[int, int, tuple[int, ...], tuple[int, ...], bool, int],
 ) -> None:
-    got = restorable_tokens(common, stored, 299, 128, truncatable, breaks, stored_breaks, 1, True)
+    """Each rule reaches at least as far as the one before it (no granule; granule 1 alone)."""
+    common, stored, breaks, stored_breaks, truncatable, expected = case
+    args = (common, stored, 299, 128, truncatable, breaks, stored_breaks)
+    got = restorable_tokens(*args, granule, shape_free)
     assert got == expected
-    assert restorable_tokens(common, stored, 299, 128, truncatable, breaks, stored_breaks, 1) <= got
+    assert restorable_tokens(*args, granule if shape_free else None) <= got
 
 
 def test_lookup_restores_a_document_prefix_ending_mid_block() -> None:
