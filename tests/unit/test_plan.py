@@ -203,7 +203,7 @@ def cheap(rows: int) -> float:
 
 
 def test_a_drafting_stream_takes_the_batched_path_alone_and_drafts_where_rows_are_cheap() -> None:
-    offer = Offer(5, "auto", 0.9, 4)
+    offer = Offer(5, "auto", 0.9, 0.9, 4)
     cheap_plan = plan_decode([Decoding(5, seq=0, drafting=True, offer=offer)], cheap, 31)
     assert cheap_plan.passes == (Pass((5,), {5: 4}),)
     dear_plan = plan_decode([Decoding(5, seq=0, drafting=True, offer=offer)], linear, 31)
@@ -212,7 +212,8 @@ def test_a_drafting_stream_takes_the_batched_path_alone_and_drafts_where_rows_ar
 
 def test_drafts_never_take_a_pass_past_the_row_budget() -> None:
     decoding = [
-        Decoding(key, seq=key, drafting=True, offer=Offer(key, "on", 0.9, 8)) for key in range(6)
+        Decoding(key, seq=key, drafting=True, offer=Offer(key, "on", 0.9, 0.9, 8))
+        for key in range(6)
     ]
     plan = plan_decode(decoding, cheap, max_rows=31)
     (only,) = plan.passes

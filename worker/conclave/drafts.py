@@ -14,8 +14,11 @@ load, where the pass is already wide, drafting turns itself down, and it comes b
 pass narrows. With a buffer per sequence llama.cpp computes a pass as several whenever its
 streams bring different numbers of rows (`ubatch_rows`), each reading every weight again: one
 stream's drafts beside plain rows cost a pass of their own, which the plan prices as such.
-A stream's chance of accepting its next draft (`Acceptance`) is learned on every step,
-drafting or not: on a plain step the lookup's guess is scored against the token written.
+A stream's chance of accepting a draft (`Acceptance`) is learned on every step, drafting or
+not (on a plain step the lookup's guess is scored against the token written), and apart for a
+guess that starts a span and one that goes on after a right guess: a copied span mostly runs to
+its end once begun, so one rate for both would price the eighth draft of a quote as if each
+guess before it were a new start, and draft too little while copying.
 Every pass stays below the row count from which the kernels take their batched path
 (`granary_exact_rows`), so drafting never costs exactness.
 """
@@ -100,13 +103,23 @@ def _continue_from(seq: Sequence[int], start: int, k: int) -> list[int]:
 
 
 class Acceptance:
-    """A moving average of whether a stream's next guessed token was the one written."""
+    """Moving averages of whether guessed tokens were the ones written: `start`, a guess after
+    a wrong one (or none), and `then`, a guess right after a right one."""
 
-    def __init__(self, rate: float = PRIOR_ACCEPTANCE) -> None:
-        self.rate = rate
+    def __init__(self, start: float = PRIOR_ACCEPTANCE, then: float = PRIOR_ACCEPTANCE) -> None:
+        self.start = start
+        self.then = then
 
-    def observe(self, accepted: bool) -> None:
-        self.rate += SMOOTHING * (float(accepted) - self.rate)
+    def observe(self, accepted: bool, after_right: bool) -> None:
+        change = SMOOTHING * float(accepted)
+        if after_right:
+            self.then += change - SMOOTHING * self.then
+        else:
+            self.start += change - SMOOTHING * self.start
+
+    def first(self, after_right: bool) -> float:
+        """The chance the next guess is right."""
+        return self.then if after_right else self.start
 
 
 def ubatch_rows(counts: Sequence[int]) -> list[int]:
@@ -160,18 +173,23 @@ class StreamDrafts:
         lost), and a stream that copies raises its own rate within a few tokens."""
         self.mode = mode
         self.lookup = PromptLookup(tokens)
-        self.acceptance = Acceptance(min(worker.rate, PRIOR_ACCEPTANCE))
+        self.acceptance = Acceptance(
+            min(worker.start, PRIOR_ACCEPTANCE), min(worker.then, PRIOR_ACCEPTANCE)
+        )
         self._worker = worker
         self.drafted = 0  # draft rows its passes carried
         self.accepted = 0  # of which it wrote the token
         self._proposal: list[int] = []
+        self._right = False  # whether its last scored guess was right
 
     def offer(self, key: int, room: int) -> Offer | None:
         """What this stream could add to the next pass (up to `room` rows), if anything."""
         self._proposal = self.lookup.propose(min(MAX_DRAFT, room))
         if not self._proposal:
+            self._right = False  # whatever comes next starts a span
             return None
-        return Offer(key, self.mode, self.acceptance.rate, len(self._proposal))
+        first = self.acceptance.first(self._right)
+        return Offer(key, self.mode, first, self.acceptance.then, len(self._proposal))
 
     def take(self, k: int) -> list[int]:
         """The first `k` tokens of the last offer, as this pass's draft rows."""
@@ -181,27 +199,36 @@ class StreamDrafts:
 
     def scored(self, draft: Sequence[int], accepted: int, written: int) -> None:
         """After the pass: the first `accepted` of `draft` were written (`accepted` counts
-        them as they are); `written` is the token sampled after them. A pass without drafts
-        scores the offer's first guess against it."""
-        for i in range(min(accepted + 1, len(draft))):
-            self._observe(i < accepted)
-        if not draft and self._proposal:
-            self._observe(self._proposal[0] == written)
+        them as they are); `written` is the token sampled after them, scored against the
+        offer's next guess (a pass without drafts: its first)."""
+        for _ in range(min(accepted, len(draft))):
+            self._observe(True)
+        if accepted < len(draft):
+            self._observe(False)
+        elif accepted < len(self._proposal):
+            self._observe(self._proposal[accepted] == written)
         self._proposal = []
 
     def _observe(self, accepted: bool) -> None:
-        self.acceptance.observe(accepted)
-        self._worker.observe(accepted)
+        self.acceptance.observe(accepted, self._right)
+        self._worker.observe(accepted, self._right)
+        self._right = accepted
 
 
 @dataclass(frozen=True, slots=True)
 class Offer:
-    """A stream's drafts for this pass: its mode, its acceptance rate and how many it has."""
+    """A stream's drafts for this pass: its mode, the chance its first draft is right and
+    that each right one is followed by another, and how many it has."""
 
     key: int
     mode: Mode
-    acceptance: float
+    first: float
+    then: float
     available: int
+
+    def expected(self, position: int) -> float:
+        """The chance drafts 1 to `position` are all right: the tokens the last of them yields."""
+        return self.first * self.then ** (position - 1)
 
 
 def plan_drafts(
@@ -214,9 +241,8 @@ def plan_drafts(
     sequence order); `cost`: seconds of a pass llama.cpp computes as one, by its rows.
 
     `on` streams draft all they have; `auto` drafts are added, likeliest first, as far as the
-    expected tokens per second of the whole pass gain by them (a draft is expected to yield a
-    token with probability acceptance ** position), the pass priced as the passes llama.cpp
-    splits it into. Never more than `max_rows` rows in all.
+    expected tokens per second of the whole pass gain by them (`Offer.expected`), the pass
+    priced as the passes llama.cpp splits it into. Never more than `max_rows` rows in all.
     """
     rows = len(keys)
     room = max_rows - rows
@@ -226,7 +252,7 @@ def plan_drafts(
             planned[offer.key] = take = max(0, min(offer.available, room))
             room -= take
     tokens = rows + sum(
-        offer.acceptance**i
+        offer.expected(i)
         for offer in offers
         for i in range(1, planned[offer.key] + 1)
         if offer.mode == "on"
@@ -234,7 +260,7 @@ def plan_drafts(
     # The auto drafts in the order their expected tokens fall: within a stream that is its order.
     candidates = sorted(
         (
-            (offer.acceptance**i, offer.key)
+            (offer.expected(i), offer.key)
             for offer in offers
             if offer.mode == "auto"
             for i in range(1, min(offer.available, MAX_DRAFT) + 1)
