@@ -45,6 +45,16 @@ def test_a_pass_cost_never_measured_is_extrapolated_from_below() -> None:
     assert cost.estimate(5) > 0.200  # type: ignore[operator]
 
 
+def test_a_longer_pass_is_priced_at_the_cost_per_row_measured_last() -> None:
+    cost = PassCost()
+    for rows, seconds in ((1, 0.010), (2, 0.016), (4, 0.020)):  # a second row dear, then cheap
+        cost.record(rows, seconds)
+    assert cost.estimate(8) == pytest.approx(0.020 + 4 * 0.002)
+    assert cost.estimate(3) == pytest.approx(0.016 + 0.006)  # between 1 and 2 rows' slope
+    cost.record(5, 0.019)  # cheaper than 4 (noise): a row more never costs less than nothing
+    assert cost.estimate(6) == pytest.approx(0.019)
+
+
 def linear(one_row: float, per_row: float) -> PassCost:
     cost = PassCost()
     for rows in range(1, 32):

@@ -38,9 +38,9 @@ MAX_DRAFT = 8
 MIN_N, MAX_N = 2, 4
 # Weight of the newest observation in the moving averages.
 SMOOTHING = 0.1
-# What a pass of r rows costs before one was measured: one row's cost and this share of it for
-# each added row, a little below what batch rows measure on Qwen2.5 (docs/BENCHMARKS.md), so
-# that a worker tries such a pass and measures it.
+# What a row more costs while a single row count was measured: this share of one row, a little
+# below what batch rows measure on Qwen2.5 (docs/BENCHMARKS.md), so that a worker tries such a
+# pass and measures it.
 PRIOR_ROW_SHARE = 0.65
 # A stream's acceptance before anything was observed: unknown text is free text.
 PRIOR_ACCEPTANCE = 0.3
@@ -141,7 +141,10 @@ def ubatch_rows(counts: Sequence[int]) -> list[int]:
 
 class PassCost:
     """Seconds a decode pass of r rows takes, a moving average per row count; a count never
-    measured is extrapolated from the nearest one below that was (or from one row's cost).
+    measured is extrapolated from the nearest one below that was, at the cost per row between
+    the two largest counts measured below it: rows cost most in the first few and far less
+    after (SmolLM2 on 2 cores: a second row +55%, each row past 4 +27% of one), so a fixed
+    share priced a long draft at twice its cost and it was never tried, nor measured.
     Only passes llama.cpp computes as one are recorded (`ubatch_rows`)."""
 
     def __init__(self) -> None:
@@ -154,12 +157,19 @@ class PassCost:
     def estimate(self, rows: int) -> float | None:
         if rows in self._seconds:
             return self._seconds[rows]
-        below = [r for r in self._seconds if r < rows]
+        below = sorted(r for r in self._seconds if r < rows)
         if not below:
             return None
-        base = max(below)
-        one_row = self._seconds.get(1, self._seconds[base] / (1 + PRIOR_ROW_SHARE * (base - 1)))
-        return self._seconds[base] + PRIOR_ROW_SHARE * one_row * (rows - base)
+        top = below[-1]
+        return self._seconds[top] + self._row_seconds(below) * (rows - top)
+
+    def _row_seconds(self, below: list[int]) -> float:
+        """What a row more costs past the largest of `below` (measured counts, ascending)."""
+        if len(below) > 1:
+            low, top = below[-2], below[-1]
+            return max(0.0, (self._seconds[top] - self._seconds[low]) / (top - low))
+        top = below[0]
+        return PRIOR_ROW_SHARE * self._seconds[top] / (1 + PRIOR_ROW_SHARE * (top - 1))
 
 
 class StreamDrafts:
