@@ -97,7 +97,7 @@ bool llamafile_sgemm("
   patch -p1 -s -d "$src/vendor/llama.cpp" <"$(dirname "$0")/llama-flash-attn-tiles.patch"
   # Q6_K, Q4_1 and repacked Q4_K weights against a pass's rows (deploy/llama-kquant-rows.patch,
   # which also leaves repacked weights' rows below ROWS to gemv): the one-row kernel's exact
-  # arithmetic per output, the weights' unpacking done once for all rows instead of once per row.
+  # arithmetic per output, the weights' unpacking done once for several rows instead of once per row.
   patch -p1 -s -d "$src/vendor/llama.cpp" <"$(dirname "$0")/llama-kquant-rows.patch"
   edit "$cpu/repack.cpp" '        if (nrows > 3) {' "        if (nrows > 3 && nrows >= $rows) {"
   edit "$cpu/repack.cpp" 'i11 < ne11 - ne11 % 4;' "i11 < (ne11 >= $rows ? ne11 - ne11 % 4 : 0);"
