@@ -111,11 +111,10 @@ class Acceptance:
         self.then = then
 
     def observe(self, accepted: bool, after_right: bool) -> None:
-        change = SMOOTHING * float(accepted)
         if after_right:
-            self.then += change - SMOOTHING * self.then
+            self.then += SMOOTHING * (float(accepted) - self.then)
         else:
-            self.start += change - SMOOTHING * self.start
+            self.start += SMOOTHING * (float(accepted) - self.start)
 
     def first(self, after_right: bool) -> float:
         """The chance the next guess is right."""
@@ -143,8 +142,9 @@ class PassCost:
     """Seconds a decode pass of r rows takes, a moving average per row count; a count never
     measured is extrapolated from the nearest one below that was, at the cost per row between
     the two largest counts measured below it: rows cost most in the first few and far less
-    after (SmolLM2 on 2 cores: a second row +55%, each row past 4 +27% of one), so a fixed
-    share priced a long draft at twice its cost and it was never tried, nor measured.
+    after (docs/BENCHMARKS.md, batch rows: on SmolLM2 a second row costs about half a row,
+    each past the fourth about a quarter), so a fixed share priced a long draft at twice its
+    cost, and it was never tried, nor measured.
     Only passes llama.cpp computes as one are recorded (`ubatch_rows`)."""
 
     def __init__(self) -> None:
