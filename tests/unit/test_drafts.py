@@ -140,7 +140,7 @@ def test_a_stream_learns_from_plain_passes_and_from_its_drafts() -> None:
     drafts.scored(drafts.take(3), 0, 77)  # the first wrong: the span ended
     assert drafts.acceptance.then < then
     offer = drafts.offer(0, 4)
-    assert offer is None or offer.first == drafts.acceptance.start
+    assert offer is not None and offer.first == drafts.acceptance.start
     # A new stream starts from the worker's rates, never above the prior: those before it may
     # have copied where it writes free text.
     assert worker.then > PRIOR_ACCEPTANCE
